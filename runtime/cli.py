@@ -1,0 +1,123 @@
+"""The `tandem` command. Building the parser imports nothing heavy; each subcommand loads
+what it needs when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _add_llm_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="LLM and YOLO serving on one device.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("simulate", help="static vs continuous batching on the real schedulers (no model)")
+    p.add_argument("--lengths", type=_int_list, default=[5, 50, 8, 12, 40, 3, 30, 7], help="output lengths, e.g. 5,50,8")
+    p.add_argument("--slots", type=int, default=4, help="sequences decoded together per step")
+
+    p = sub.add_parser("demo", help="the mixed workload on embedded defaults")
+    p.add_argument("--skip-vision", action="store_true")
+    p.add_argument("--skip-llm", action="store_true")
+
+    p = sub.add_parser("generate", help="generate from a prompt, streaming the text")
+    p.add_argument("prompt")
+    p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    _add_llm_arguments(p)
+
+    p = sub.add_parser("chat", help="interactive chat")
+    _add_llm_arguments(p)
+
+    p = sub.add_parser("detect", help="YOLO detection over images, directories, lists, videos or .streams")
+    try:
+        from runtime.vision.cli import add_detect_arguments
+    except ImportError:  # the vision path is optional at parse time only if its module is absent
+        p.add_argument("source")
+    else:
+        add_detect_arguments(p)
+
+    bench = sub.add_parser("bench", help="benchmarks, with peers measured in the same run").add_subparsers(
+        dest="bench", required=True
+    )
+    p = bench.add_parser("scheduler", help="schedule + update time per step, no model")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--sizes", type=_int_list, default=[256, 1024])
+    p.add_argument("--out", default="bench_out")
+    p = bench.add_parser("vision", help="images/s and latency against Ultralytics")
+    try:
+        from runtime.vision.bench import add_bench_arguments
+    except ImportError:
+        pass
+    else:
+        add_bench_arguments(p)
+    p = bench.add_parser("llm", help="tokens/s: static vs continuous vs Hugging Face")
+    try:
+        from runtime.llm.bench import add_bench_arguments as add_llm_bench
+    except ImportError:
+        pass
+    else:
+        add_llm_bench(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "simulate":
+        from runtime.simulate import format_report
+
+        if args.slots < 1:
+            print("--slots must be >= 1", file=sys.stderr)
+            return 2
+        print(format_report(args.lengths, args.slots))
+        return 0
+    if args.command == "demo":
+        from runtime.demo import run_demo
+
+        return run_demo(vision=not args.skip_vision, llm=not args.skip_llm)
+    if args.command in ("generate", "chat"):
+        from runtime.llm import cli as llm_cli
+
+        return llm_cli.run_generate(args) if args.command == "generate" else llm_cli.run_chat(args)
+    if args.command == "detect":
+        from runtime.vision.cli import run_detect
+
+        return run_detect(args)
+    if args.command == "bench":
+        if args.bench == "scheduler":
+            from runtime.bench_scheduler import run
+
+            run(tuple(args.sizes), args.steps, args.out)
+            return 0
+        if args.bench == "vision":
+            from runtime.vision.bench import run_bench
+
+            return run_bench(args)
+        if args.bench == "llm":
+            from runtime.llm.bench import run_bench as run_llm_bench
+
+            return run_llm_bench(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

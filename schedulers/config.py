@@ -1,0 +1,69 @@
+"""Scheduler knobs, validated on construction without any I/O. Names follow vLLM (LLM) and
+NVIDIA Triton's dynamic batcher (request-level batching) so users find what they know."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("fcfs", "priority")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Iteration-level (continuous) batching of LLM requests."""
+
+    max_num_seqs: int = 16  # requests running at once
+    max_num_batched_tokens: int = 512  # tokens computed per step, decodes and prefill chunks together
+    max_model_len: int = 2048  # prompt + generated tokens of one request
+    policy: str = "fcfs"  # or "priority": lower Request.priority first, then arrival
+    # A prompt longer than this per step is split; by default a chunk may use the whole budget.
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_model_len", self.max_model_len)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be an integer >= 0 (0 = no limit), "
+                f"got {self.long_prefill_token_threshold!r}"
+            )
+
+
+@dataclass(slots=True)
+class DynamicBatchConfig:
+    """Request-level batching, as NVIDIA Triton's dynamic batcher does it.
+
+    A batch is released when `max_batch_size` requests wait, when a preferred size can be
+    formed, or when the oldest request has waited `max_queue_delay_ms`.
+    """
+
+    max_batch_size: int = 8
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_ms: float = 5.0
+    max_queue_size: int = 1024  # waiting requests; one more is rejected at once
+    default_timeout_ms: float | None = None  # per-request queue timeout unless the request sets one
+    priority_levels: int = 1  # priorities 0 (served first) .. priority_levels - 1
+
+    def __post_init__(self) -> None:
+        _positive_int("max_batch_size", self.max_batch_size)
+        _positive_int("max_queue_size", self.max_queue_size)
+        _positive_int("priority_levels", self.priority_levels)
+        self.preferred_batch_sizes = tuple(sorted(set(self.preferred_batch_sizes)))
+        for size in self.preferred_batch_sizes:
+            if not isinstance(size, int) or not 1 <= size <= self.max_batch_size:
+                raise ValueError(
+                    f"preferred_batch_sizes must hold integers in [1, max_batch_size={self.max_batch_size}], "
+                    f"got {size!r}"
+                )
+        if not self.max_queue_delay_ms >= 0:
+            raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms!r}")
+        if self.default_timeout_ms is not None and not self.default_timeout_ms > 0:
+            raise ValueError(f"default_timeout_ms must be > 0 or None, got {self.default_timeout_ms!r}")

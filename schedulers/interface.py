@@ -1,0 +1,63 @@
+"""The two small contracts of the scheduling layer.
+
+`BlockAllocator` is what a scheduler needs from the device memory manager's KV block pool
+(mechanism); the schedulers hold the policy. `Scheduler` is what the runtime loop needs from
+either scheduler, so the continuous, static and vision schedulers are interchangeable:
+
+    plan = scheduler.schedule(now)
+    result = runner.execute(plan)
+    outputs = scheduler.update(plan, result)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+
+class BlockAllocator(Protocol):
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """Take `num_blocks` blocks (ref count 1 each), or None if there are not enough."""
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block; unreferenced blocks return to the free list."""
+
+    def extend_block_hashes(self, token_ids: Sequence[int], hashes: list[int]) -> None:
+        """Append one chained hash per further full block of `token_ids` to `hashes`."""
+
+    def find_cached_prefix(self, block_hashes: Sequence[int], token_ids: Sequence[int]) -> list[int]:
+        """Block ids of the longest cached prefix of full blocks (no references taken)."""
+
+    def num_evictable(self, block_ids: Sequence[int]) -> int:
+        """How many of these cached blocks sit unreferenced in the free list."""
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one reference on each cached block (removing it from the free list if needed)."""
+
+    def publish(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> None:
+        """Enter a computed full block in the prefix cache."""
+
+
+class Scheduler(Protocol):
+    def add_request(self, request: Any) -> None:
+        """Queue a request; raises ValueError (naming the field) if it can never run."""
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is, freeing what it holds; False if unknown."""
+
+    def schedule(self, now: float) -> Any:
+        """The next plan, or an empty plan / None when nothing is due yet."""
+
+    def next_due(self, now: float) -> float | None:
+        """Seconds until `schedule` may have work (0 for now); None when idle."""
+
+    def update(self, plan: Any, result: Any) -> Any:
+        """Take the runner's result for `plan`; return what changed and what finished."""
+
+    def has_unfinished(self) -> bool: ...

@@ -1,0 +1,155 @@
+"""Mechanics shared by the LLM schedulers: admission checks, KV blocks per request, writing a
+request into a plan, and applying a runner's result (new tokens, stop checks, freeing).
+
+The schedulers decide *who* runs; this table does the bookkeeping the same way for both, so
+the continuous and static schedulers differ only in policy.
+"""
+
+from __future__ import annotations
+
+from schedulers.interface import BlockAllocator
+from schedulers.plan import NewRequestData, StepOutputs, StepPlan, StepResult
+from schedulers.request import FINISH_REASONS, Request, RequestStatus
+
+
+class RequestTable:
+    def __init__(self, pool: BlockAllocator, max_model_len: int) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_model_len = max_model_len
+        self.caching = pool.enable_prefix_caching
+        self.requests: dict[str, Request] = {}  # every request not yet finished
+        self._freed: list[str] = []  # runner state to drop, sent with the next plan
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def validate(self, req: Request) -> None:
+        """Raise ValueError if `req` can never run; called before it is queued."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        n = req.num_prompt_tokens
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
+                f"the prompt must be shorter than max_model_len to generate anything"
+            )
+        req.max_len = total = min(req.max_len, self.max_model_len)
+        need = -(-total // self.block_size)
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"request {req.request_id!r} needs up to {need} KV blocks ({total} tokens of "
+                f"block_size {self.block_size}), but the whole pool has {self.pool.num_blocks}: "
+                f"lower max_tokens or give the KV cache more memory"
+            )
+
+    def admit(self, req: Request, budget: int) -> int:
+        """Give a waiting request its blocks (reusing cached prefix blocks); return the number
+        of tokens it computes this step, or 0 if the pool cannot hold them now."""
+        pool, bs = self.pool, self.block_size
+        cached: list[int] = []
+        if self.caching:
+            pool.extend_block_hashes(req.token_ids, req.block_hashes)
+            # At least one token must be computed, to have logits to sample from.
+            usable = (req.num_tokens - 1) // bs
+            cached = pool.find_cached_prefix(req.block_hashes[:usable], req.token_ids)
+        num_computed = len(cached) * bs
+        num_new = min(req.num_tokens - num_computed, budget)
+        need = -(-(num_computed + num_new) // bs) - len(cached)
+        if need + pool.num_evictable(cached) > pool.num_free_blocks:
+            return 0
+        pool.touch(cached)
+        new = pool.allocate(need)
+        assert new is not None  # checked just above
+        req.block_ids = cached + new
+        req.num_computed_tokens = num_computed
+        req.num_cached_tokens = num_computed
+        req.num_published_blocks = len(cached)
+        req.next_publish_at = (len(cached) + 1) * bs
+        req.status = RequestStatus.RUNNING
+        return num_new
+
+    def grow(self, req: Request, num_new: int) -> list[int] | None:
+        """Blocks appended so `req` can hold `num_new` more tokens ([] if none were needed),
+        or None if the pool is out of blocks (the caller preempts)."""
+        need = (req.num_computed_tokens + num_new + self.block_size - 1) // self.block_size - len(req.block_ids)
+        if need <= 0:
+            return []
+        new = self.pool.allocate(need)
+        if new is not None:
+            req.block_ids.extend(new)
+        return new
+
+    # ---- leaving ---------------------------------------------------------------------------
+
+    def preempt(self, req: Request) -> None:
+        """Preemption by recompute: drop the KV cache, keep the tokens, start over later."""
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_published_blocks = 0
+        req.status = RequestStatus.PREEMPTED
+        req.needs_full_state = True
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._freed.append(req.request_id)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        if req.block_ids:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+        if not req.needs_full_state:  # the runner has state for it
+            self._freed.append(req.request_id)
+        req.status = status
+        self.requests.pop(req.request_id, None)
+
+    def take_freed(self) -> list[str]:
+        freed, self._freed = self._freed, []
+        return freed
+
+    # ---- plans and results -----------------------------------------------------------------
+
+    def add_to_plan(self, plan: StepPlan, req: Request, num_new: int) -> None:
+        computed = req.num_computed_tokens
+        plan.req_ids.append(req.request_id)
+        plan.num_scheduled_tokens.append(num_new)
+        plan.num_computed_tokens.append(computed)
+        plan.sample.append(computed + num_new >= len(req.token_ids))
+        if req.needs_full_state:
+            plan.new_requests.append(
+                NewRequestData(
+                    req.request_id, list(req.token_ids), list(req.block_ids), computed, req.num_prompt_tokens, req.sampling
+                )
+            )
+            req.needs_full_state = False
+
+    def apply(self, plan: StepPlan, reqs: list[Request], result: StepResult, out: StepOutputs) -> None:
+        """Advance every planned request (`reqs`, in plan order) by the runner's result and
+        record finishes in `out`. The hot loop of a step: kept to plain compares and appends."""
+        caching = self.caching
+        running = RequestStatus.RUNNING
+        for req, num_new, tokens in zip(reqs, plan.num_scheduled_tokens, result.sampled_token_ids):
+            if req.status is not running:  # aborted or preempted since the plan was made
+                continue
+            computed = req.num_computed_tokens = req.num_computed_tokens + num_new
+            if caching and computed >= req.next_publish_at:
+                self._publish(req)
+            if not tokens:
+                continue
+            token_ids = req.token_ids
+            token_ids.extend(tokens)
+            n = len(token_ids)
+            if n >= req.max_len:
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
+                out.finished[req.request_id] = "length"
+            elif tokens[-1] in req.stop_token_ids and n >= req.min_len:
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+                out.finished[req.request_id] = "stop"
+
+    def _publish(self, req: Request) -> None:
+        """Enter the request's newly computed full blocks in the prefix cache."""
+        upto = req.num_computed_tokens // self.block_size
+        self.pool.publish_blocks(req.token_ids, req.block_ids, req.block_hashes, req.num_published_blocks, upto)
+        req.num_published_blocks = upto
+        req.next_publish_at = (upto + 1) * self.block_size
+
