@@ -1,1 +1,4 @@
-"""kernels"""
+"""Attention kernels over the paged KV cache.
+
+paged_attention: pure torch, the CPU path and the reference any faster kernel must match.
+"""

@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+# These modules keep torch out of their top level, so building the parser stays cheap.
+from runtime.llm.bench import add_bench_arguments as add_llm_bench
+
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -48,13 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive chat")
     _add_llm_arguments(p)
 
-    p = sub.add_parser("detect", help="YOLO detection over images, directories, lists, videos or .streams")
-    try:
-        from runtime.vision.cli import add_detect_arguments
-    except ImportError:  # the vision path is optional at parse time only if its module is absent
-        p.add_argument("source")
-    else:
-        add_detect_arguments(p)
 
     bench = sub.add_parser("bench", help="benchmarks, with peers measured in the same run").add_subparsers(
         dest="bench", required=True
@@ -63,20 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--sizes", type=_int_list, default=[256, 1024])
     p.add_argument("--out", default="bench_out")
-    p = bench.add_parser("vision", help="images/s and latency against Ultralytics")
-    try:
-        from runtime.vision.bench import add_bench_arguments
-    except ImportError:
-        pass
-    else:
-        add_bench_arguments(p)
-    p = bench.add_parser("llm", help="tokens/s: static vs continuous vs Hugging Face")
-    try:
-        from runtime.llm.bench import add_bench_arguments as add_llm_bench
-    except ImportError:
-        pass
-    else:
-        add_llm_bench(p)
+    add_llm_bench(bench.add_parser("llm", help="useful tokens/s: continuous vs static vs Hugging Face"))
     return parser
 
 
@@ -98,20 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.llm import cli as llm_cli
 
         return llm_cli.run_generate(args) if args.command == "generate" else llm_cli.run_chat(args)
-    if args.command == "detect":
-        from runtime.vision.cli import run_detect
-
-        return run_detect(args)
     if args.command == "bench":
         if args.bench == "scheduler":
             from runtime.bench_scheduler import run
 
             run(tuple(args.sizes), args.steps, args.out)
             return 0
-        if args.bench == "vision":
-            from runtime.vision.bench import run_bench
-
-            return run_bench(args)
         if args.bench == "llm":
             from runtime.llm.bench import run_bench as run_llm_bench
 

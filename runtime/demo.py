@@ -19,8 +19,44 @@ def run_scheduler_demo() -> None:
     print(format_report(SEED_LENGTHS, 4))
 
 
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for a good night's sleep.",
+    "Write a haiku about autumn.",
+    "What is the boiling point of water in Celsius?",
+    "Explain in one sentence what a GPU is.",
+    "Name two planets larger than Earth.",
+]
+
+
+def run_llm_demo() -> None:
+    from runtime import LLM, SamplingParams
+
+    _banner("LLM: SmolLM2-135M-Instruct, continuous batching over a paged KV cache")
+    t0 = time.perf_counter()
+    llm = LLM()
+    print(f"model loaded in {time.perf_counter() - t0:.1f} s ({llm.engine.loaded.name}, {llm.engine.config.dtype})")
+    params = SamplingParams(max_tokens=64, temperature=0)
+    t0 = time.perf_counter()
+    outs = llm.chat([[{"role": "user", "content": q}] for q in CHAT_QUESTIONS], params)
+    wall = time.perf_counter() - t0
+    for q, out in zip(CHAT_QUESTIONS, outs):
+        m = out.metrics
+        rate = m.decode_tokens_per_s
+        print(f"\nQ: {q}\nA: {out.text.strip()}")
+        print(
+            f"   [{len(out.token_ids)} tokens, {out.finish_reason}, TTFT {m.time_to_first_token * 1000:.0f} ms, "
+            f"{rate:.1f} tokens/s for this request]" if rate else f"   [{len(out.token_ids)} tokens, {out.finish_reason}]"
+        )
+    total = sum(len(o.token_ids) for o in outs)
+    print(f"\n{len(outs)} requests, {total} tokens in {wall:.1f} s: {total / wall:.1f} tokens/s overall, "
+          f"{llm.engine.num_steps} engine steps")
+
+
 def run_demo(vision: bool = True, llm: bool = True) -> int:
     t0 = time.perf_counter()
     run_scheduler_demo()
+    if llm:
+        run_llm_demo()
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s")
     return 0

@@ -1,0 +1,107 @@
+"""Paged attention in pure torch: the CPU path, and the reference a Triton kernel must match.
+
+The KV cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim].
+A token at position p of a sequence with block table `bt` lives in slot
+`bt[p // block_size] * block_size + p % block_size` of the flattened cache.
+
+    decode rows   one query per sequence, all sequences at once: gather each sequence's
+                  slots (padded to the longest context), mask the padding, one SDPA call
+    prefill chunk queries at positions [start, start + q_len) of one sequence, attending
+                  causally to every cached position before theirs; one SDPA call per chunk
+
+Grouped-query attention never copies K/V per query head: for decode, the g query heads that
+share a KV head are laid out as g "query rows" of that head; for prefill SDPA's enable_gqa
+broadcasts the KV heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v [num_tokens, num_kv_heads, head_dim] at `slot_mapping` [num_tokens] (int64)."""
+    nkv, hd = k_cache.shape[-2:]
+    k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
+
+
+def slot_table(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, max_blocks] block ids -> [B, max_blocks * block_size] slot ids, position order."""
+    offsets = torch.arange(block_size, device=block_tables.device, dtype=block_tables.dtype)
+    return (block_tables.unsqueeze(-1) * block_size + offsets).flatten(1)
+
+
+def decode_mask(context_lens: torch.Tensor, max_len: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, 1, 1, max_len]: True where a key position is inside the sequence's context; with
+    `dtype`, the additive form (0 inside, -inf outside), which SDPA takes without converting
+    it again in every layer."""
+    pos = torch.arange(max_len, device=context_lens.device)
+    inside = (pos < context_lens.unsqueeze(-1)).view(-1, 1, 1, max_len)
+    if dtype is None:
+        return inside
+    return torch.zeros(inside.shape, dtype=dtype, device=inside.device).masked_fill_(~inside, float("-inf"))
+
+
+def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of the flattened cache at `slots` (any shape) -> slots.shape + [num_kv_heads, head_dim]."""
+    nkv, hd = cache.shape[-2:]
+    return cache.view(-1, nkv, hd).index_select(0, slots.reshape(-1)).view(*slots.shape, nkv, hd)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, num_heads, head_dim], one query per sequence; `slots` [B, L] from slot_table
+    (cut to the longest context), `mask` [B, 1, 1, L] from decode_mask (bool or additive). Returns [B, num_heads, head_dim].
+
+    Padding slots may point anywhere in the cache: masked keys get zero weight, and every
+    slot holds finite values (the cache starts zeroed), so they cannot leak NaN."""
+    b, nh, hd = q.shape
+    nkv = k_cache.shape[-2]
+    k = gather_kv(k_cache, slots).transpose(1, 2)  # [B, nkv, L, hd]
+    v = gather_kv(v_cache, slots).transpose(1, 2)
+    qg = q.view(b, nkv, nh // nkv, hd)  # query head h uses KV head h // g, as HF's repeat_kv
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, nh, hd)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """q [q_len, num_heads, head_dim] at positions [start, start + q_len); k, v
+    [start + q_len, num_kv_heads, head_dim] for positions [0, start + q_len). Causal."""
+    q_len = q.shape[0]
+    kv_len = k.shape[0]
+    qt = q.transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, hd]
+    kt = k.transpose(0, 1).unsqueeze(0)
+    vt = v.transpose(0, 1).unsqueeze(0)
+    if start == 0:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # SDPA's is_causal aligns the mask top-left; a chunk's queries sit at the bottom-right.
+        qpos = torch.arange(start, start + q_len, device=q.device).unsqueeze(-1)
+        mask = torch.arange(kv_len, device=q.device) <= qpos
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    start: int,
+    scale: float,
+) -> torch.Tensor:
+    """One prefill chunk, q [q_len, num_heads, head_dim] at positions [start, start + q_len),
+    reading K/V for positions [0, start + q_len) (the chunk's own included, so write_kv must
+    run first) through `block_table` [num_blocks_of_seq]."""
+    kv_len = start + q.shape[0]
+    bs = k_cache.shape[1]
+    slots = slot_table(block_table.unsqueeze(0), bs)[0, :kv_len]
+    return prefill_attention(q, gather_kv(k_cache, slots), gather_kv(v_cache, slots), start, scale)

@@ -1,0 +1,239 @@
+"""ModelRunner: turns a StepPlan into one forward pass over the paged KV cache, then samples.
+
+It keeps, per running request, the token ids and block table it was sent once (plans are
+diffs, as in vLLM v1): a decode step adds only the token it sampled itself and any new
+blocks. Per step it builds a handful of small tensors (ids, positions, slot mapping, block
+tables) from int lists, runs the model once, samples all rows at once, and syncs with the
+host once, in the final `.tolist()`.
+
+Decode rows (one scheduled token) go first in the flattened batch so that attention can
+serve them all with one batched call; prefill chunks follow, one attention call each.
+
+The runner takes the weights out of `loaded.state_dict` (it empties it unless
+release_state_dict=False): the model keeps fused, pre-packed copies, and holding both would
+double the weight memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.paged_attention import decode_mask, slot_table
+from runtime.block_pool import BlockPool
+from runtime.llm.loader import DTYPES, LoadedModel
+from runtime.llm.model import AttentionMetadata, LlamaModel, ModelSpec, PrefillChunk
+from runtime.llm.sampler import Sampler, SamplingBatch, row_seed
+from runtime.memory import DeviceMemoryManager
+from schedulers.plan import StepPlan, StepResult
+
+WEIGHTS_OWNER = "llm.weights"
+ACTIVATIONS_OWNER = "llm.activations"
+
+
+@dataclass(slots=True)
+class _RequestState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_prompt_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    min_tokens: int
+    stop_ids: list[int]  # suppressed while fewer than min_tokens outputs exist
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        memory: DeviceMemoryManager,
+        *,
+        block_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        dtype: str = "float32",
+        device: str = "cpu",
+        release_state_dict: bool = True,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        spec = ModelSpec.from_config(loaded.config)
+        limit = getattr(loaded.config, "max_position_embeddings", None)
+        if limit and max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
+        if spec.sliding_window and spec.sliding_window < max_model_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's sliding_window={spec.sliding_window}, "
+                f"which this runner does not implement; use max_model_len <= {spec.sliding_window}"
+            )
+        self.spec = spec
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = list(loaded.eos_token_ids)
+        self.memory = memory
+
+        self.model = LlamaModel(spec, loaded.state_dict, self.dtype, device, max_model_len, batch_hint=max_num_seqs)
+        if release_state_dict:
+            loaded.state_dict = {}  # the model holds (fused copies of) every weight now
+        memory.reserve(WEIGHTS_OWNER, self.model.num_parameter_bytes())
+        memory.reserve(ACTIVATIONS_OWNER, self._activation_bytes(max_num_seqs, max_num_batched_tokens))
+
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        per_block = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elt
+        if num_kv_blocks is None and kv_cache_bytes is not None:
+            num_kv_blocks = kv_cache_bytes // per_block
+            if num_kv_blocks < 1:
+                raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block ({per_block} bytes)")
+        self.kv_pool: BlockPool = memory.create_kv_pool(per_block, block_size, num_kv_blocks, enable_prefix_caching)
+        n = self.kv_pool.num_blocks
+        # One zeroed tensor (padding slots read by batched decode must hold finite values).
+        self.kv_cache = torch.zeros(
+            (spec.num_layers, 2, n, block_size, spec.num_kv_heads, spec.head_dim), dtype=self.dtype, device=self.device
+        )
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
+        self.sampler = Sampler()
+        self.requests: dict[str, _RequestState] = {}
+        self.last_logits: torch.Tensor | None = None  # the last step's logits, for tests and debugging
+
+    def _activation_bytes(self, max_num_seqs: int, max_tokens: int) -> int:
+        """An upper estimate of one step's temporaries, so the KV pool leaves room for them."""
+        s = self.spec
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        per_token = (4 * s.hidden_size + 2 * qkv + s.num_heads * s.head_dim + 3 * s.intermediate_size) * elt
+        per_token += 2 * s.hidden_size * 4  # RMSNorm's float32 copies
+        # Batched decode gathers K and V of every sequence, padded to the longest context.
+        kv_gather = 2 * max_num_seqs * self.max_model_len * s.num_kv_heads * s.head_dim * elt
+        scores = s.num_heads * max_tokens * min(self.max_model_len, 1024) * 4
+        logits = 4 * max_num_seqs * s.vocab_size * 4  # logits, probabilities, masked copy, cdf (float32)
+        return max_tokens * per_token + kv_gather + scores + logits
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def _add_request(self, nr) -> None:
+        sp = nr.sampling
+        eos = [] if sp is not None and sp.ignore_eos else self.eos_token_ids
+        stop_ids = list(dict.fromkeys(eos + (list(sp.stop_token_ids) if sp is not None else [])))
+        self.requests[nr.request_id] = _RequestState(
+            token_ids=list(nr.token_ids),
+            block_ids=list(nr.block_ids),
+            num_prompt_tokens=nr.num_prompt_tokens,
+            temperature=float(sp.temperature) if sp is not None else 0.0,
+            top_k=sp.top_k if sp is not None else 0,
+            top_p=float(sp.top_p) if sp is not None else 1.0,
+            seed=sp.seed if sp is not None else None,
+            min_tokens=sp.min_tokens if sp is not None else 0,
+            stop_ids=stop_ids,
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        requests = self.requests
+        for rid in plan.freed_req_ids:
+            requests.pop(rid, None)
+        for nr in plan.new_requests:
+            self._add_request(nr)
+        if not plan.req_ids:
+            return StepResult(sampled_token_ids=[])
+
+        bs = self.block_size
+        states = [requests[rid] for rid in plan.req_ids]
+        decodes: list[int] = []
+        prefills: list[int] = []
+        for i, (rid, st) in enumerate(zip(plan.req_ids, states)):
+            new_blocks = plan.new_block_ids.get(rid)
+            if new_blocks:
+                st.block_ids.extend(new_blocks)
+            n = plan.num_scheduled_tokens[i]
+            if n == 1:
+                decodes.append(i)
+            elif n > 1:
+                prefills.append(i)
+
+        ids: list[int] = []
+        row_of_last: dict[int, int] = {}  # plan index -> row of its last token in the batch
+        # Decode rows: one token each, everything from scalars.
+        dec_pos: list[int] = []
+        dec_slots: list[int] = []
+        for i in decodes:
+            st, p = states[i], plan.num_computed_tokens[i]
+            row_of_last[i] = len(ids)
+            ids.append(st.token_ids[p])
+            dec_pos.append(p)
+            dec_slots.append(st.block_ids[p // bs] * bs + p % bs)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes))
+        pos_parts: list[torch.Tensor] = []
+        slot_parts: list[torch.Tensor] = []
+        if decodes:
+            max_ctx = max(dec_pos) + 1
+            nblk = -(-max_ctx // bs)
+            table = [states[i].block_ids[:nblk] for i in decodes]
+            table = [row + [0] * (nblk - len(row)) for row in table]
+            bt = torch.tensor(table, dtype=torch.long)
+            dp = torch.tensor(dec_pos, dtype=torch.long)
+            meta.decode_slots = slot_table(bt, bs)[:, :max_ctx].to(self.device)
+            meta.decode_mask = decode_mask(dp + 1, max_ctx, self.dtype).to(self.device)
+            pos_parts.append(dp)
+            slot_parts.append(torch.tensor(dec_slots, dtype=torch.long))
+        for i in prefills:
+            st, start, n = states[i], plan.num_computed_tokens[i], plan.num_scheduled_tokens[i]
+            end = start + n
+            if end > len(st.token_ids):
+                raise RuntimeError(f"plan schedules tokens [{start}, {end}) of request {plan.req_ids[i]!r}, which has {len(st.token_ids)}")
+            row = len(ids)
+            ids.extend(st.token_ids[start:end])
+            row_of_last[i] = row + n - 1
+            bt = torch.tensor(st.block_ids[: -(-end // bs)], dtype=torch.long)
+            slots = slot_table(bt.unsqueeze(0), bs)[0, :end]
+            pos_parts.append(torch.arange(start, end, dtype=torch.long))
+            slot_parts.append(slots[start:])
+            meta.prefills.append(PrefillChunk(row, n, start, slots.to(self.device) if start > 0 else None))
+
+        if not ids:  # every planned request had zero tokens scheduled
+            return StepResult(sampled_token_ids=[[] for _ in plan.req_ids])
+        sample_idx = [i for i, s in enumerate(plan.sample) if s and i in row_of_last]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = (torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0]).to(self.device)
+        meta.slot_mapping = (torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0]).to(self.device)
+        rows = torch.tensor([row_of_last[i] for i in sample_idx], dtype=torch.long, device=self.device) if sample_idx else None
+        logits = self.model(input_ids, positions, meta, self.kv_caches, rows)
+        self.last_logits = logits
+
+        out: list[list[int]] = [[] for _ in plan.req_ids]
+        if logits is None:
+            return StepResult(sampled_token_ids=out)
+        tokens = self.sampler(logits, self._sampling_batch([states[i] for i in sample_idx])).tolist()
+        for i, tok in zip(sample_idx, tokens):
+            states[i].token_ids.append(tok)
+            out[i] = [tok]
+        return StepResult(sampled_token_ids=out)
+
+    @staticmethod
+    def _sampling_batch(states: list[_RequestState]) -> SamplingBatch:
+        suppress: list[tuple[int, list[int]]] = []
+        seeds: list[int | None] = []
+        for row, st in enumerate(states):
+            num_out = len(st.token_ids) - st.num_prompt_tokens
+            if num_out < st.min_tokens and st.stop_ids:
+                suppress.append((row, st.stop_ids))
+            seeds.append(row_seed(st.seed, num_out) if st.seed is not None else None)
+        return SamplingBatch(
+            temperatures=[st.temperature for st in states],
+            top_k=[st.top_k for st in states],
+            top_p=[st.top_p for st in states],
+            seeds=seeds,
+            suppress=suppress,
+        )
