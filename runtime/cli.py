@@ -8,6 +8,8 @@ import sys
 
 # These modules keep torch out of their top level, so building the parser stays cheap.
 from runtime.llm.bench import add_bench_arguments as add_llm_bench
+from runtime.vision.bench import add_bench_arguments as add_vision_bench
+from runtime.vision.cli import add_detect_arguments
 
 
 def _int_list(text: str) -> list[int]:
@@ -51,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive chat")
     _add_llm_arguments(p)
 
+    p = sub.add_parser("detect", help="YOLO detection over images, directories, lists, videos or .streams")
+    add_detect_arguments(p)
 
     bench = sub.add_parser("bench", help="benchmarks, with peers measured in the same run").add_subparsers(
         dest="bench", required=True
@@ -59,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--sizes", type=_int_list, default=[256, 1024])
     p.add_argument("--out", default="bench_out")
+    add_vision_bench(bench.add_parser("vision", help="images/s and latency against Ultralytics"))
     add_llm_bench(bench.add_parser("llm", help="useful tokens/s: continuous vs static vs Hugging Face"))
     return parser
 
@@ -81,12 +86,20 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.llm import cli as llm_cli
 
         return llm_cli.run_generate(args) if args.command == "generate" else llm_cli.run_chat(args)
+    if args.command == "detect":
+        from runtime.vision.cli import run_detect
+
+        return run_detect(args)
     if args.command == "bench":
         if args.bench == "scheduler":
             from runtime.bench_scheduler import run
 
             run(tuple(args.sizes), args.steps, args.out)
             return 0
+        if args.bench == "vision":
+            from runtime.vision.bench import run_bench
+
+            return run_bench(args)
         if args.bench == "llm":
             from runtime.llm.bench import run_bench as run_llm_bench
 

@@ -58,5 +58,10 @@ def run_demo(vision: bool = True, llm: bool = True) -> int:
     run_scheduler_demo()
     if llm:
         run_llm_demo()
+    if vision:
+        from runtime.vision.demo import run_vision_demo
+
+        _banner("Vision: YOLO26n under the dynamic batcher")
+        run_vision_demo()
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s")
     return 0

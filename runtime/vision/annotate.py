@@ -1,0 +1,78 @@
+"""Drawing detections and writing annotated images and videos for `tandem detect --save`."""
+
+from __future__ import annotations
+
+import os
+
+import cv2
+import numpy as np
+
+from runtime.vision.postprocess import Detections
+from sources.base import Frame, VIDEO_EXTENSIONS, extension
+
+
+def _color(cls: int) -> tuple[int, int, int]:
+    # A fixed pseudo-random colour per class, so a class keeps its colour across frames.
+    h = (cls * 2654435761) & 0xFFFFFF
+    return (h & 255, (h >> 8) & 255, (h >> 16) & 255)
+
+
+def draw(image: np.ndarray, det: Detections) -> np.ndarray:
+    out = image.copy()
+    thickness = max(1, round(sum(out.shape[:2]) / 600))
+    for (x1, y1, x2, y2), conf, cls, name in zip(det.boxes, det.conf, det.cls, det.names):
+        color = _color(int(cls))
+        p1, p2 = (int(x1), int(y1)), (int(x2), int(y2))
+        cv2.rectangle(out, p1, p2, color, thickness, cv2.LINE_AA)
+        label = f"{name} {conf:.2f}"
+        (tw, th), _ = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, thickness / 3, max(1, thickness - 1))
+        top = p1[1] - th - 3 if p1[1] - th - 3 >= 0 else p1[1] + th + 3
+        cv2.rectangle(out, (p1[0], top), (p1[0] + tw, p1[1]), color, -1, cv2.LINE_AA)
+        cv2.putText(out, label, (p1[0], p1[1] - 2 if top < p1[1] else top), cv2.FONT_HERSHEY_SIMPLEX,
+                    thickness / 3, (255, 255, 255), max(1, thickness - 1), cv2.LINE_AA)  # fmt: skip
+    return out
+
+
+class AnnotatedWriter:
+    """Images go to DIR/<name>; frames of a video or stream go to DIR/<name>.mp4, one writer
+    per source, opened on its first frame and closed by close()."""
+
+    def __init__(self, directory: str, fps: float = 15.0) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.fps = fps
+        self._videos: dict[str, cv2.VideoWriter] = {}
+        self.written: list[str] = []
+
+    def _name(self, frame: Frame) -> tuple[str, bool]:
+        if frame.stream is not None:
+            return f"stream{frame.stream}.mp4", True
+        base = os.path.basename(frame.source.rstrip("/")) or "frame"
+        if frame.source.startswith("array:"):
+            return f"array_{frame.source.split(':', 1)[1]}.jpg", False
+        if extension(frame.source) in VIDEO_EXTENSIONS:
+            return os.path.splitext(base)[0] + ".mp4", True
+        return base if "." in base else base + ".jpg", False
+
+    def write(self, frame: Frame, det: Detections) -> None:
+        if frame.image is None:
+            return
+        image = draw(frame.image, det)
+        name, is_video = self._name(frame)
+        path = os.path.join(self.directory, name)
+        if not is_video:
+            cv2.imwrite(path, image)
+            self.written.append(path)
+            return
+        writer = self._videos.get(path)
+        if writer is None:
+            h, w = image.shape[:2]
+            writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), self.fps, (w, h))
+            self._videos[path] = writer
+            self.written.append(path)
+        writer.write(image)
+
+    def close(self) -> None:
+        for writer in self._videos.values():
+            writer.release()
+        self._videos.clear()

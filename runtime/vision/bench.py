@@ -1,0 +1,239 @@
+"""`tandem bench vision`: throughput against Ultralytics, latency under load, live streams.
+
+All in one run, on the same model (seeded random weights unless --model is a .pt) and the
+same images: generated 480x640 JPEGs plus Ultralytics' bus.jpg and zidane.jpg.
+  1. images/s over a directory: Ultralytics predict at batch 1 and at its best batch vs ours.
+  2. latency p50/p99 under Poisson arrivals at 50% and 90% of our capacity, with dynamic
+     batching (profiled preferred size, max_batch_size) and without (batch 1).
+  3. 8 loopback MJPEG streams at 15 fps: frame-to-result latency p50/p99, frames dropped.
+Writes bench_vision.json and bench_vision.png to --out and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="bench_out", help="directory for bench_vision.json / .png")
+    parser.add_argument("--model", default="yolo26n.yaml")
+    parser.add_argument("--imgsz", type=int, default=640)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num-images", type=int, default=64, help="generated 480x640 images (+ bus, zidane)")
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--stream-fps", type=float, default=15.0)
+    parser.add_argument("--quick", action="store_true", help="fewer images, requests and seconds")
+
+
+def _pct(values: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def _images(folder: str, n: int) -> list[str]:
+    import cv2
+    import numpy as np
+    from ultralytics.utils import ASSETS
+
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        img = cv2.GaussianBlur(rng.integers(0, 255, (480, 640, 3), dtype=np.uint8), (7, 7), 0)
+        for _ in range(4):
+            x, y = int(rng.integers(0, 560)), int(rng.integers(0, 400))
+            cv2.rectangle(img, (x, y), (x + 80, y + 80), tuple(int(c) for c in rng.integers(0, 255, 3)), -1)
+        cv2.imwrite(os.path.join(folder, f"img{i:03d}.jpg"), img)
+    for name in ("bus.jpg", "zidane.jpg"):
+        shutil.copy(ASSETS / name, os.path.join(folder, name))
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder))
+
+
+def _ultralytics(model_path: str, folder: str, imgsz: int, device: str, batches: list[int]) -> dict[int, float]:
+    import torch
+    from ultralytics import YOLO
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # the same random weights our runner builds from the same .yaml
+        model = YOLO(model_path)
+    n = len(os.listdir(folder))
+    rates = {}
+    for bs in batches:
+        # nms=False: the end-to-end head, the same work our default does for YOLO26
+        kw = dict(imgsz=imgsz, device=device, batch=bs, verbose=False, stream=True, nms=False)
+        for _ in model.predict(folder, **kw):  # warm-up pass builds the predictor
+            break
+        t0 = time.perf_counter()
+        count = sum(1 for _ in model.predict(folder, **kw))
+        rates[bs] = count / (time.perf_counter() - t0)
+        assert count == n
+    return rates
+
+
+def _throughput(engine, paths: list[str]) -> float:
+    engine.submit(paths[0]).result()
+    t0 = time.perf_counter()
+    futures = []
+    for p in paths:
+        futures.append(engine.submit(p))
+    for f in futures:
+        f.result()
+    return len(paths) / (time.perf_counter() - t0)
+
+
+def _poisson_latency(engine, images: list, rate: float, n: int, seed: int = 1) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, n)
+    done: dict[int, float] = {}
+    futures, starts = [], []
+    t = time.perf_counter()
+    for i, gap in enumerate(gaps):
+        t += gap
+        time.sleep(max(0.0, t - time.perf_counter()))
+        starts.append(time.perf_counter())
+        f = engine.submit(images[i % len(images)])
+        f.add_done_callback(lambda _, i=i: done.__setitem__(i, time.perf_counter()))
+        futures.append(f)
+    sizes = [f.result().batch_size for f in futures]
+    time.sleep(0.01)
+    lat = [(done[i] - starts[i]) * 1000 for i in range(n)]
+    return {"rate": rate, "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99), "mean_batch": sum(sizes) / len(sizes)}
+
+
+def _streams(engine, n_streams: int, fps: float, seconds: float) -> dict:
+    from sources import StreamsSource
+    from sources.loopback import MjpegServer
+
+    servers = [MjpegServer(fps=fps) for _ in range(n_streams)]
+    source = StreamsSource([s.url for s in servers])
+    lat: list[float] = []
+    batch_sizes: list[int] = []
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            frames = [f for f in source.next_batch(timeout=1.0) if f.ok]
+            futures = [(f, engine.submit(f)) for f in frames]
+            for frame, fut in futures:
+                d = fut.result()
+                lat.append((time.monotonic() - frame.timestamp) * 1000)
+                batch_sizes.append(d.batch_size)
+        health = source.health()
+    finally:
+        source.close()
+        for s in servers:
+            s.close()
+    read = sum(h.frames_read for h in health)
+    return {
+        "streams": n_streams, "fps": fps, "seconds": seconds, "frames_read": read, "frames_processed": len(lat),
+        "frames_dropped": sum(h.frames_dropped for h in health), "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99),
+        "mean_batch": sum(batch_sizes) / max(1, len(batch_sizes)),
+    }  # fmt: skip
+
+
+def _plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    thr = results["throughput"]
+    labels = [f"ultralytics bs{k}" for k in thr["ultralytics"]] + ["tandem"]
+    values = list(thr["ultralytics"].values()) + [thr["tandem"]]
+    a.bar(labels, values, color=["#999"] * len(thr["ultralytics"]) + ["#2a7"])
+    a.set_ylabel("images / s")
+    a.set_title(f"throughput, {results['model']} @ {results['imgsz']}")
+    names, p50, p99 = [], [], []
+    for key, r in results["latency"].items():
+        names.append(key)
+        p50.append(r["p50_ms"])
+        p99.append(r["p99_ms"])
+    x = range(len(names))
+    b.bar([i - 0.2 for i in x], p50, 0.4, label="p50")
+    b.bar([i + 0.2 for i in x], p99, 0.4, label="p99")
+    b.set_xticks(list(x), names, rotation=20, fontsize=8)
+    b.set_ylabel("latency ms")
+    b.set_title("latency under load")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import cv2
+
+    from runtime.vision.config import VisionConfig
+    from runtime.vision.engine import VisionEngine
+
+    n_images = 14 if args.quick else args.num_images
+    n_requests = 20 if args.quick else 60
+    stream_s = 4.0 if args.quick else 10.0
+    os.makedirs(args.out, exist_ok=True)
+    folder = os.path.join(args.out, "bench_images")
+    shutil.rmtree(folder, ignore_errors=True)
+    paths = _images(folder, n_images)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"bench vision: {len(paths)} images in {folder}")
+    ul_batches = [1, args.max_batch_size] if args.quick else sorted({1, 4, args.max_batch_size})
+    ul = _ultralytics(args.model, folder, args.imgsz, args.device, ul_batches)
+    log(f"ultralytics images/s by batch: { {k: round(v, 2) for k, v in ul.items()} }")
+    base = dict(model=args.model, imgsz=args.imgsz, device=args.device, max_batch_size=args.max_batch_size)
+    results: dict = {"model": args.model, "imgsz": args.imgsz, "device": args.device, "images": len(paths)}
+    engine = VisionEngine(VisionConfig(**base))
+    try:
+        ours = _throughput(engine, paths)
+        results["profile_images_per_s"] = engine.stats()["profile_images_per_s"]
+        results["preferred_batch_sizes"] = list(engine.preferred_batch_sizes)
+        log(f"tandem images/s: {ours:.2f} (preferred batch {engine.preferred_batch_sizes})")
+        images = [cv2.imread(p) for p in paths[:8]]
+        latency = {}
+        for frac in (0.5, 0.9):
+            latency[f"dynamic {int(frac * 100)}%"] = _poisson_latency(engine, images, frac * ours, n_requests)
+        results["streams"] = _streams(engine, args.streams, args.stream_fps, stream_s)
+        results["description"] = engine.runner.description
+    finally:
+        engine.close()
+    single = VisionEngine(VisionConfig(**{**base, "max_batch_size": 1}, profile=False))
+    try:
+        for frac in (0.5, 0.9):
+            latency[f"batch1 {int(frac * 100)}%"] = _poisson_latency(single, images, frac * ours, n_requests)
+    finally:
+        single.close()
+    best_ul = max(ul.values())
+    results["throughput"] = {"ultralytics": ul, "tandem": ours, "ratio_vs_best": ours / best_ul,
+                             "ratio_vs_batch1": ours / ul[1]}  # fmt: skip
+    results["latency"] = latency
+    with open(os.path.join(args.out, "bench_vision.json"), "w") as fh:
+        json.dump(results, fh, indent=2)
+    _plot(results, os.path.join(args.out, "bench_vision.png"))
+    print(f"{'measure':34s} {'value':>10s} {'vs ultralytics':>15s}")
+    for bs, r in ul.items():
+        print(f"{'ultralytics images/s, batch ' + str(bs):34s} {r:10.2f} {r / best_ul:14.2f}x")
+    print(f"{'tandem images/s':34s} {ours:10.2f} {ours / best_ul:14.2f}x")
+    for key, r in latency.items():
+        print(f"{'latency ' + key + ' p50/p99 ms':34s} {r['p50_ms']:6.0f}/{r['p99_ms']:<6.0f} batch {r['mean_batch']:.2f}")
+    s = results["streams"]
+    print(f"{'streams ' + str(s['streams']) + 'x' + str(s['fps']) + 'fps p50/p99 ms':34s} "
+          f"{s['p50_ms']:6.0f}/{s['p99_ms']:<6.0f} processed {s['frames_processed']}/{s['frames_read']}, "
+          f"dropped {s['frames_dropped']}")  # fmt: skip
+    print(f"wrote {os.path.join(args.out, 'bench_vision.json')} and bench_vision.png")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem bench vision")
+    add_bench_arguments(parser)
+    return run_bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

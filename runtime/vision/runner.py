@@ -1,0 +1,190 @@
+"""YoloRunner: a batch of BGR images in, one `Detections` per image out.
+
+Work is split into `prepare` (letterbox into staging buffers, to a float tensor) and `infer`
+(forward and postprocess) so the engine can prepare the next batch on one thread while the
+current one runs on another. The runner keeps no per-call state on itself: everything a
+call needs travels in the `Prepared` it returns, which is what makes that overlap safe.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from runtime.memory import DeviceMemoryManager
+from runtime.vision.config import VisionConfig
+from runtime.vision.model import load_model
+from runtime.vision.postprocess import Detections, detections, filter_end2end, nms, to_original
+from runtime.vision.preprocess import BatchBuffers, Letterbox, letterbox_into, plan_letterbox, to_tensor
+
+BUFFERS_OWNER = "vision.batch_buffers"
+ACTIVATIONS_OWNER = "vision.activations"
+WEIGHTS_OWNER = "vision.weights"
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A batch ready for the model: one tensor per input shape (rect letterboxing gives
+    images of different aspect different shapes), with where each image landed."""
+
+    groups: list[tuple[list[int], torch.Tensor, list[Letterbox]]]  # (batch positions, tensor, boxes)
+    size: int
+    preprocess_ms: float
+
+
+class YoloRunner:
+    def __init__(self, config: VisionConfig | None = None, module: nn.Module | None = None,
+                 memory: DeviceMemoryManager | None = None) -> None:  # fmt: skip
+        self.config = config or VisionConfig()
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
+        self.model = load_model(self.config, module)
+        self.names = self.model.names
+        self._buffers = BatchBuffers()
+        self.memory = memory
+        if memory is not None:
+            self.reserve_memory(memory)
+
+    @property
+    def description(self) -> str:
+        return self.model.description
+
+    # -- the two halves of a batch --
+    def prepare(self, images: list[np.ndarray]) -> Prepared:
+        t0 = time.perf_counter()
+        c = self.config
+        boxes = [plan_letterbox(im.shape[:2], c.imgsz, self.model.stride, c.rect) for im in images]
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i, box in enumerate(boxes):
+            by_shape.setdefault(box.input_shape, []).append(i)
+        groups = []
+        for shape, idx in by_shape.items():
+            staging = self._buffers.get(shape, len(idx))
+            for row, i in enumerate(idx):
+                letterbox_into(images[i], boxes[i], staging[row])
+            groups.append((idx, to_tensor(staging, self.model.device), [boxes[i] for i in idx]))
+        return Prepared(groups, len(images), (time.perf_counter() - t0) * 1000)
+
+    def infer(self, prepared: Prepared) -> list[Detections]:
+        c = self.config
+        out: list[Detections | None] = [None] * prepared.size
+        infer_ms = post_ms = 0.0
+        for idx, tensor, boxes in prepared.groups:
+            t0 = time.perf_counter()
+            raw = self.model.forward(tensor)
+            if raw.device.type == "cuda":
+                torch.cuda.synchronize(raw.device)
+            t1 = time.perf_counter()
+            rows = filter_end2end(raw, c.conf, c.max_det) if self.model.end2end else nms(raw, c.conf, c.iou, c.max_det)
+            for i, r, box in zip(idx, rows, boxes):
+                out[i] = detections(to_original(r, box), self.names, box)
+            infer_ms += (t1 - t0) * 1000
+            post_ms += (time.perf_counter() - t1) * 1000
+        n = prepared.size
+        for d in out:  # per-image share of the batch's stage times, as Ultralytics reports speed
+            d.batch_size = n
+            d.timings = {"preprocess": prepared.preprocess_ms / n, "inference": infer_ms / n, "postprocess": post_ms / n}
+        return out  # type: ignore[return-value]
+
+    def predict(self, images: list[np.ndarray]) -> list[Detections]:
+        """Detections for each image, in one forward pass per input shape."""
+        return self.infer(self.prepare(images)) if images else []
+
+    def raw(self, images: list[np.ndarray]) -> list[torch.Tensor]:
+        """The head's raw outputs per image (for parity checks against Ultralytics)."""
+        prepared = self.prepare(images)
+        out: list[torch.Tensor | None] = [None] * len(images)
+        for idx, tensor, _ in prepared.groups:
+            for i, r in zip(idx, self.model.forward(tensor)):
+                out[i] = r
+        return out  # type: ignore[return-value]
+
+    # -- start-up measurements --
+    def profile(self, batch_sizes: list[int], iters: int | None = None) -> dict[int, float]:
+        """Images per second of the forward pass at each batch size (square imgsz input)."""
+        iters = iters or self.config.profile_iters
+        s = self.config.imgsz
+        rates = {}
+        for bs in batch_sizes:
+            x = torch.full((bs, 3, s, s), 114 / 255, device=self.model.device)
+            self.model.forward(x)  # warm-up: first calls pick kernels and allocate
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                self.model.forward(x)
+            if x.device.type == "cuda":
+                torch.cuda.synchronize(x.device)
+            rates[bs] = bs * iters / (time.perf_counter() - t0)
+        return rates
+
+    def best_batch_size(self, rates: dict[int, float]) -> int:
+        """The fastest size; a larger one must win by 5% to beat a smaller (timer noise)."""
+        best = min(rates)
+        for bs in sorted(rates):
+            if rates[bs] > rates[best] * 1.05:
+                best = bs
+        return best
+
+    def activation_bytes(self, batch_size: int) -> int:
+        """Peak activation memory of a forward at `batch_size`.
+
+        On CUDA this is measured (the allocator's peak around a forward). On CPU there is no
+        allocator to ask, so it is estimated from one forward at batch 1: the largest
+        input + output of any layer plus every output the model keeps for later layers
+        (Ultralytics' `save` list), scaled by the batch size.
+        """
+        s = self.config.imgsz
+        dev = self.model.device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            self.model.forward(torch.zeros((batch_size, 3, s, s), device=dev))
+            return int(torch.cuda.max_memory_allocated(dev) - base)
+        layers = getattr(self.model.module, "model", None)
+        saved = set(getattr(self.model.module, "save", []))
+        sizes: list[tuple[int, int, int]] = []  # (index, input bytes, output bytes)
+
+        def nbytes(t: object) -> int:
+            if isinstance(t, torch.Tensor):
+                return t.numel() * t.element_size()
+            if isinstance(t, (list, tuple)):
+                return sum(nbytes(v) for v in t)
+            if isinstance(t, dict):
+                return sum(nbytes(v) for v in t.values())
+            return 0
+
+        hooks = [m.register_forward_hook(lambda m, i, o, k=k: sizes.append((k, nbytes(i), nbytes(o))))
+                 for k, m in enumerate(layers or [])]  # fmt: skip
+        try:
+            self.model.forward(torch.zeros((1, 3, s, s), device=dev))
+        finally:
+            for h in hooks:
+                h.remove()
+        if not sizes:
+            return 0
+        kept = sum(o for k, _, o in sizes if k in saved)
+        return int((max(i + o for _, i, o in sizes) + kept) * batch_size)
+
+    def reserve_memory(self, memory: DeviceMemoryManager) -> dict[str, int]:
+        """Reserve weights, two batches of staging + input buffers (one being prepared while
+        one runs) and the activation peak at max_batch_size; MemoryError if they do not fit."""
+        c = self.config
+        elem = torch.tensor([], dtype=self.model.dtype).element_size()
+        per_image = c.imgsz * c.imgsz * 3 * (1 + 4 + (elem if elem != 4 else 0))  # uint8 staging, float32, cast
+        amounts = {
+            WEIGHTS_OWNER: sum(p.numel() * p.element_size() for p in self.model.module.parameters()),
+            BUFFERS_OWNER: 2 * c.max_batch_size * per_image,
+            ACTIVATIONS_OWNER: self.activation_bytes(c.max_batch_size),
+        }
+        for owner, n in amounts.items():
+            memory.reserve(owner, n)
+        return amounts
+
+    def release_memory(self) -> None:
+        if self.memory is not None:
+            for owner in (WEIGHTS_OWNER, BUFFERS_OWNER, ACTIVATIONS_OWNER):
+                self.memory.release(owner)

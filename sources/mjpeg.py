@@ -1,0 +1,79 @@
+"""An MJPEG-over-HTTP client with real timeouts.
+
+OpenCV's FFmpeg backend can read MJPEG too, but a server that accepts the connection and
+then stalls can block its read for a long time, and the error it gives is "read failed".
+Reading the multipart stream ourselves bounds every wait by a socket timeout and names the
+failure (refused, HTTP status, wrong content type, stalled).
+"""
+
+from __future__ import annotations
+
+import http.client
+import ssl
+import urllib.parse
+from typing import Iterator
+
+import cv2
+import numpy as np
+
+
+class NotMjpeg(Exception):
+    """The server answered, but with something other than multipart JPEG (let FFmpeg try)."""
+
+
+def _boundary(content_type: str) -> bytes | None:
+    for part in content_type.split(";")[1:]:
+        key, _, value = part.strip().partition("=")
+        if key.lower() == "boundary" and value:
+            value = value.strip('"')
+            return value.encode() if value.startswith("--") else b"--" + value.encode()
+    return None
+
+
+def iter_mjpeg(url: str, open_timeout_s: float, read_timeout_s: float) -> Iterator[np.ndarray]:
+    """Decoded BGR frames from an MJPEG HTTP stream until it ends; raises on any failure.
+
+    Raises NotMjpeg when the resource is not multipart (e.g. an HLS playlist or an MP4 file
+    served over HTTP) so the caller can hand the URL to FFmpeg instead.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "https":
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            parts.hostname, parts.port, timeout=open_timeout_s, context=ssl.create_default_context()
+        )
+    else:
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=open_timeout_s)
+    try:
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        conn.request("GET", path, headers={"Accept": "multipart/x-mixed-replace, image/jpeg"})
+        sock = conn.sock  # an HTTP/1.0 response detaches it from conn; the response still reads it
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise ConnectionError(f"HTTP {resp.status} {resp.reason}")
+        content_type = resp.getheader("Content-Type", "")
+        boundary = _boundary(content_type)
+        if not content_type.lower().startswith("multipart/") or boundary is None:
+            raise NotMjpeg(f"Content-Type {content_type!r} is not multipart MJPEG")
+        sock.settimeout(read_timeout_s)  # from here on a stalled server times out per read
+        while True:
+            line = resp.readline()
+            if not line:
+                return  # the server closed the stream
+            if not line.startswith(boundary):
+                continue
+            headers = {}
+            while (line := resp.readline().strip()):
+                key, _, value = line.decode("latin-1").partition(":")
+                headers[key.strip().lower()] = value.strip()
+            length = int(headers.get("content-length", "0") or 0)
+            if length <= 0:
+                raise ConnectionError("MJPEG part without Content-Length")
+            data = resp.read(length)
+            if len(data) < length:
+                return  # truncated by a closing server
+            image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+            if image is None:
+                raise ValueError(f"undecodable JPEG part ({length} bytes)")
+            yield image
+    finally:
+        conn.close()

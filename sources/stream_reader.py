@@ -1,0 +1,203 @@
+"""One live stream, read by its own thread, with health, retries and a bounded buffer.
+
+Unlike Ultralytics' LoadStreams, where a camera that fails stops the whole source, a reader
+here turns every failure into a reported state ("retrying" with the error) and reconnects
+with exponential backoff, so one dead camera never stalls the others.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import cv2
+import numpy as np
+
+from sources.base import Frame
+from sources.mjpeg import NotMjpeg, iter_mjpeg
+
+TERMINAL = ("ended", "failed", "closed")
+
+
+@dataclass(slots=True)
+class StreamConfig:
+    buffer: int = 0  # 0: keep only the newest frame; n >= 1: a FIFO of up to n frames (oldest dropped)
+    open_timeout_s: float = 5.0  # connecting must succeed within this
+    read_timeout_s: float = 5.0  # a connected stream that sends nothing this long is broken
+    stall_after_s: float = 2.0  # health says "stalled" when a live stream sends nothing this long
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 10.0
+    max_retries: int | None = None  # None: live cameras come back, so retry forever
+    pace_files: bool = True  # play a local video listed in .streams at its own fps, like a camera
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.buffer, int) or self.buffer < 0:
+            raise ValueError(f"buffer must be an integer >= 0 (0 = newest frame only), got {self.buffer!r}")
+        for name in ("open_timeout_s", "read_timeout_s", "stall_after_s", "backoff_initial_s", "backoff_max_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_initial_s ({self.backoff_initial_s})")
+        if self.max_retries is not None and (not isinstance(self.max_retries, int) or self.max_retries < 0):
+            raise ValueError(f"max_retries must be an integer >= 0 or None (forever), got {self.max_retries!r}")
+
+
+@dataclass(slots=True)
+class StreamHealth:
+    stream: int
+    url: str
+    state: str  # connecting | live | stalled | retrying | ended | failed | closed
+    frames_read: int
+    frames_dropped: int  # replaced (newest-only) or pushed out of a full FIFO before anyone took them
+    reconnects: int
+    last_error: str | None
+    seconds_since_frame: float | None
+
+
+class StreamReader:
+    """Reads `url` on a daemon thread into a one-frame slot or a bounded FIFO.
+
+    `cond` is shared by all readers of a source so a consumer can wait for any of them.
+    The thread is a daemon because a blocking FFmpeg read cannot be interrupted; close()
+    stops it at the next frame or timeout and never waits longer than `join_s`.
+    """
+
+    def __init__(self, stream: int, url: str, config: StreamConfig, cond: threading.Condition,
+                 on_error: Callable[[Frame], None]) -> None:  # fmt: skip
+        self.stream, self.url, self.config = stream, url, config
+        self._cond = cond
+        self._on_error = on_error
+        self._frames: deque[Frame] = deque(maxlen=max(1, config.buffer))
+        self.state = "connecting"
+        self.frames_read = self.frames_dropped = self.reconnects = 0
+        self.last_error: str | None = None
+        self.last_frame_at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"stream-{stream}", daemon=True)
+        self._thread.start()
+
+    # -- consumer side (call with cond held) --
+    def take(self) -> Frame | None:
+        return self._frames.popleft() if self._frames else None
+
+    def has_frame(self) -> bool:
+        return bool(self._frames)
+
+    def health(self, now: float) -> StreamHealth:
+        since = None if self.last_frame_at is None else now - self.last_frame_at
+        state = self.state
+        if state == "live" and since is not None and since > self.config.stall_after_s:
+            state = "stalled"
+        return StreamHealth(self.stream, self.url, state, self.frames_read, self.frames_dropped,
+                            self.reconnects, self.last_error, since)  # fmt: skip
+
+    def close(self, join_s: float = 2.0) -> None:
+        self._stop.set()
+        with self._cond:
+            if self.state not in TERMINAL:
+                self.state = "closed"
+            self._frames.clear()  # memory goes with the stream
+            self._cond.notify_all()
+        self.join(join_s)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout=timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- reader thread --
+    def _set_state(self, state: str) -> None:
+        with self._cond:
+            if self.state != "closed":
+                self.state = state
+            self._cond.notify_all()
+
+    def _push(self, image: np.ndarray, index: int) -> None:
+        frame = Frame(self.url, index=index, image=image, stream=self.stream)
+        with self._cond:
+            if self._stop.is_set():
+                return
+            if len(self._frames) == self._frames.maxlen:
+                self.frames_dropped += 1  # the deque drops the oldest on append
+            self._frames.append(frame)
+            self.frames_read += 1
+            self.last_frame_at = frame.timestamp
+            self.state = "live"
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        failures, attempts = 0, 0
+        is_file = not (self.url.isdigit() or "://" in self.url)
+        while not self._stop.is_set():
+            self.reconnects += attempts > 0
+            attempts += 1
+            self._set_state("connecting")
+            frames = self._open()
+            try:
+                for index, image in enumerate(frames):
+                    if self._stop.is_set():
+                        return
+                    self._push(image, index)
+                    failures = 0  # a frame arrived: the next failure starts the backoff afresh
+                if is_file:
+                    self._set_state("ended")
+                    return
+                raise ConnectionError("the stream ended (server closed the connection)")
+            except Exception as exc:  # noqa: BLE001 - every failure is reported, none kills the thread
+                if self._stop.is_set():
+                    return
+                failures += 1
+                self.last_error = f"stream {self.stream} ({self.url}): {type(exc).__name__}: {exc}"
+                give_up = self.config.max_retries is not None and failures > self.config.max_retries
+                if failures == 1 or give_up:  # report going down once, not every retry
+                    self._on_error(Frame(self.url, error=self.last_error, stream=self.stream))
+                if give_up:
+                    self._set_state("failed")
+                    return
+                self._set_state("retrying")
+                delay = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** (failures - 1))
+                self._stop.wait(delay)
+            finally:
+                frames.close()
+
+    def _open(self) -> Iterator[np.ndarray]:
+        url = self.url
+        if url.lower().startswith(("http://", "https://")):
+            return self._http(url)
+        return self._capture(int(url) if url.isdigit() else url, pace="://" not in url and not url.isdigit())
+
+    def _http(self, url: str) -> Iterator[np.ndarray]:
+        try:
+            yield from iter_mjpeg(url, self.config.open_timeout_s, self.config.read_timeout_s)
+        except NotMjpeg:
+            yield from self._capture(url, pace=False)  # e.g. HLS or MP4 over HTTP: FFmpeg reads it
+
+    def _capture(self, target: int | str, pace: bool) -> Iterator[np.ndarray]:
+        c = self.config
+        if isinstance(target, int):
+            cap = cv2.VideoCapture(target)
+        else:
+            params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, int(c.open_timeout_s * 1000),
+                      cv2.CAP_PROP_READ_TIMEOUT_MSEC, int(c.read_timeout_s * 1000)]  # fmt: skip
+            cap = cv2.VideoCapture(target, cv2.CAP_FFMPEG, params)
+        try:
+            if not cap.isOpened():
+                raise ConnectionError(f"cannot open {target!r} within {c.open_timeout_s:g} s")
+            fps = cap.get(cv2.CAP_PROP_FPS)
+            period = 1.0 / fps if pace and c.pace_files and 0 < fps < 1000 else 0.0
+            next_t = time.monotonic()
+            while not self._stop.is_set():
+                ok, image = cap.read()
+                if not ok:
+                    return
+                yield image
+                if period:
+                    next_t += period
+                    self._stop.wait(max(0.0, next_t - time.monotonic()))
+        finally:
+            cap.release()
