@@ -29,13 +29,10 @@ CHAT_QUESTIONS = [
 ]
 
 
-def run_llm_demo() -> None:
-    from runtime import LLM, SamplingParams
+def run_llm_demo(llm) -> None:
+    from runtime import SamplingParams
 
     _banner("LLM: SmolLM2-135M-Instruct, continuous batching over a paged KV cache")
-    t0 = time.perf_counter()
-    llm = LLM()
-    print(f"model loaded in {time.perf_counter() - t0:.1f} s ({llm.engine.loaded.name}, {llm.engine.config.dtype})")
     params = SamplingParams(max_tokens=64, temperature=0)
     t0 = time.perf_counter()
     outs = llm.chat([[{"role": "user", "content": q}] for q in CHAT_QUESTIONS], params)
@@ -53,15 +50,54 @@ def run_llm_demo() -> None:
           f"{llm.engine.num_steps} engine steps")
 
 
+def _print_memory(memory) -> None:
+    stats = memory.stats()
+    mib = 2**20
+    print(f"device budget {stats['total_bytes'] / mib:.0f} MiB, every byte with an owner:")
+    for owner, n in stats["owners"].items():
+        print(f"  {owner:<22}{n / mib:>9.1f} MiB")
+    print(f"  {'(unreserved)':<22}{stats['free_bytes'] / mib:>9.1f} MiB")
+    kv = stats.get("kv_blocks")
+    if kv:
+        print(f"  KV pool: {kv['total']} blocks of {kv['block_size']} tokens, {kv['bytes_per_block'] / 1024:.0f} KiB each")
+
+
 def run_demo(vision: bool = True, llm: bool = True) -> int:
+    from contextlib import nullcontext
+
+    from runtime.memory import DeviceMemoryManager, MemoryConfig
+
     t0 = time.perf_counter()
     run_scheduler_demo()
-    if llm:
-        run_llm_demo()
+    if not (vision or llm):
+        return 0
+    # One memory manager for the device, as in the runtime: vision reserves its weights, batch
+    # buffers and activation peak first; the LLM takes its weights and activations, and the
+    # rest becomes KV blocks.
+    memory = DeviceMemoryManager(MemoryConfig(budget_bytes=3 * 2**30))
+    _banner("One device, two workloads: loading")
+    t1 = time.perf_counter()
     if vision:
-        from runtime.vision.demo import run_vision_demo
+        from runtime.vision.demo import demo_config
+        from runtime.vision.engine import VisionEngine
 
-        _banner("Vision: YOLO26n under the dynamic batcher")
-        run_vision_demo()
+        vision_ctx = VisionEngine(demo_config(), memory=memory)
+    else:
+        vision_ctx = nullcontext(None)
+    with vision_ctx as vision_engine:
+        model = None
+        if llm:
+            from runtime import LLM
+
+            model = LLM(memory=memory)
+        print(f"loaded in {time.perf_counter() - t1:.1f} s")
+        _print_memory(memory)
+        if model is not None:
+            run_llm_demo(model)
+        if vision_engine is not None:
+            from runtime.vision.demo import run_vision_demo
+
+            _banner("Vision: YOLO26n under the dynamic batcher")
+            run_vision_demo(vision_engine)
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s")
     return 0

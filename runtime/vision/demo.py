@@ -23,11 +23,20 @@ def _video(path: str, frames: int = 6) -> None:
     writer.release()
 
 
-def run_vision_demo() -> None:
+def demo_config():
+    from runtime.vision.config import VisionConfig
+
+    # Random weights score ~1e-4 everywhere, so a tiny threshold shows the plumbing works.
+    return VisionConfig(imgsz=IMGSZ, conf=0.0001, max_batch_size=4, max_queue_delay_ms=10.0, profile_iters=1)
+
+
+def run_vision_demo(engine=None) -> None:
+    """Run the demo inputs through `engine` (a VisionEngine), or through a new one."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from contextlib import nullcontext
+
     from ultralytics.utils import ASSETS
 
-    from runtime.vision.config import VisionConfig
     from runtime.vision.engine import VisionEngine
     from sources import load_source
 
@@ -35,9 +44,7 @@ def run_vision_demo() -> None:
         clip = os.path.join(tmp, "clip.mp4")
         _video(clip)
         inputs = [str(ASSETS / "bus.jpg"), str(ASSETS / "zidane.jpg"), clip]
-        # Random weights score ~1e-4 everywhere, so a tiny threshold shows the plumbing works.
-        config = VisionConfig(imgsz=IMGSZ, conf=0.0001, max_batch_size=4, max_queue_delay_ms=10.0, profile_iters=1)
-        with VisionEngine(config) as engine:
+        with nullcontext(engine) if engine is not None else VisionEngine(demo_config()) as engine:
             print(f"model: {engine.runner.description}")
             print(f"profiled images/s by batch size: {engine.stats()['profile_images_per_s']}; "
                   f"preferred {list(engine.preferred_batch_sizes)}")  # fmt: skip
