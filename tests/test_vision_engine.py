@@ -73,7 +73,8 @@ def test_dynamic_batching_groups_concurrent_requests(engine):
 
 
 def test_priority_zero_runs_first():
-    eng = VisionEngine(_config(max_batch_size=1, max_queue_delay_ms=0.0))
+    # One worker: the blocked batch holds it, so every later request waits in the queue.
+    eng = VisionEngine(_config(max_batch_size=1, max_queue_delay_ms=0.0, workers=1))
     gate = threading.Event()
     real_infer = eng.runner.infer
     order = []
@@ -100,7 +101,7 @@ def test_priority_zero_runs_first():
 
 
 def test_queue_timeout_and_queue_full():
-    eng = VisionEngine(_config(max_batch_size=1, max_queue_delay_ms=0.0, max_queue_size=2))
+    eng = VisionEngine(_config(max_batch_size=1, max_queue_delay_ms=0.0, max_queue_size=2, workers=1))
     gate = threading.Event()
     real_infer = eng.runner.infer
     eng.runner.infer = lambda p: (gate.wait(10), real_infer(p))[1]
@@ -152,7 +153,8 @@ def test_profiling_picks_a_preferred_size_and_memory_is_reserved():
         assert set(eng.profile_rates) == {1, 2} and all(r > 0 for r in eng.profile_rates.values())
         assert eng.preferred_batch_sizes == (eng.runner.best_batch_size(eng.profile_rates),)
         owners = memory.stats()["owners"]
-        assert owners["vision.batch_buffers"] == 2 * 2 * 160 * 160 * 3 * 5
+        # a batch being prepared plus one per worker, of uint8 staging + float32 input each
+        assert owners["vision.batch_buffers"] == (eng.workers + 1) * 2 * 160 * 160 * 3 * 5
         assert owners["vision.activations"] > 160 * 160 * 3 * 4 * 2  # more than the input itself
     finally:
         eng.close()

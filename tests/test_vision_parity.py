@@ -1,8 +1,8 @@
 """Parity with Ultralytics' predict on the same weights and images, and batched == single.
 
 A freshly built model has degenerate outputs (every score ~1e-4, all alike), which would make
-any comparison vacuous. So the shared model is "calibrated": BatchNorm statistics are taken
-from the test images and the class logits rescaled to a spread, which gives hundreds of
+any comparison vacuous. So the shared model is calibrated (runtime.vision.calibrate): BatchNorm
+statistics from the test images, class logits rescaled to a spread, which gives hundreds of
 distinct boxes and scores per image to compare, with no weights downloaded.
 """
 
@@ -20,8 +20,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from ultralytics import YOLO  # noqa: E402
 from ultralytics.utils import ASSETS  # noqa: E402
 
+from runtime.vision.calibrate import calibrate  # noqa: E402
 from runtime.vision.config import VisionConfig  # noqa: E402
-from runtime.vision.preprocess import letterbox_into, plan_letterbox, to_tensor  # noqa: E402
 from runtime.vision.runner import YoloRunner  # noqa: E402
 
 IMGSZ = 320
@@ -29,44 +29,11 @@ CONF = 0.05
 PATHS = [str(ASSETS / "bus.jpg"), str(ASSETS / "zidane.jpg")]
 
 
-def _inputs(images):
-    out = []
-    for im in images:
-        box = plan_letterbox(im.shape[:2], IMGSZ, 32, True)
-        buf = np.empty((1, *box.input_shape, 3), np.uint8)
-        letterbox_into(im, box, buf[0])
-        out.append(to_tensor(buf, torch.device("cpu")))
-    return out
-
-
 @pytest.fixture(scope="module")
 def yolo():
     torch.manual_seed(0)
     model = YOLO("yolo26n.yaml")
-    net = model.model
-    images = [cv2.imread(p) for p in PATHS]
-    bns = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
-    for bn in bns:
-        bn.reset_running_stats()
-        bn.momentum = None  # cumulative average over the calibration images
-    net.train()
-    with torch.no_grad():
-        for x in _inputs(images):
-            net(x)
-    net.eval()
-    head = net.model[-1]
-    finals = [seq[-1] for seq in list(head.cv3) + list(head.one2one_cv3)]
-    outs = {}
-    hooks = [c.register_forward_hook(lambda m, i, o, k=k: outs.setdefault(k, o)) for k, c in enumerate(finals)]
-    with torch.no_grad():
-        net(_inputs(images)[0])
-    for h in hooks:
-        h.remove()
-    with torch.no_grad():  # logits -> N(-3, 1.5) per class conv: a spread of distinct scores
-        for k, conv in enumerate(finals):
-            mean, std = outs[k].mean(), outs[k].std()
-            conv.weight.mul_(1.5 / std)
-            conv.bias.sub_(mean).mul_(1.5 / std).sub_(3.0)
+    calibrate(model.model, [cv2.imread(p) for p in PATHS], IMGSZ)
     return model
 
 
@@ -86,6 +53,7 @@ def test_detections_match_ultralytics_predict(yolo, end2end):
     default one-to-many head with NMS."""
     runner = YoloRunner(VisionConfig(imgsz=IMGSZ, conf=CONF, end2end=end2end), module=yolo.model)
     assert runner.model.end2end is end2end
+    assert runner.model.graph is not None  # the default CPU path, the traced TorchScript graph
     images = [cv2.imread(p) for p in PATHS]
     for image, path in zip(images, PATHS):
         (ref,) = yolo.predict(path, imgsz=IMGSZ, conf=CONF, verbose=False, nms=None if not end2end else False)
@@ -129,7 +97,7 @@ def test_batched_results_equal_one_at_a_time(yolo):
 
 def test_the_caller_module_is_not_modified(yolo):
     before = sum(1 for _ in yolo.model.modules())
-    YoloRunner(VisionConfig(imgsz=IMGSZ), module=yolo.model)
+    YoloRunner(VisionConfig(imgsz=IMGSZ, jit=False), module=yolo.model)  # tracing is tested elsewhere
     assert sum(1 for _ in yolo.model.modules()) == before  # fusion happened on our copy
 
 

@@ -2,10 +2,13 @@
 
 All in one run, on the same model (seeded random weights unless --model is a .pt) and the
 same images: generated 480x640 JPEGs plus Ultralytics' bus.jpg and zidane.jpg.
-  1. images/s over a directory: Ultralytics predict at batch 1 and at its best batch vs ours.
-  2. latency p50/p99 under Poisson arrivals at 50% and 90% of our capacity, with dynamic
+  1. images/s over a directory: Ultralytics predict at batch 1 and at its best batch vs ours
+     (--dtype, float32 by default), and on CPU ours in bfloat16 as a separate, opt-in row.
+  2. parity: our detections against Ultralytics' float32 predict on the same weights
+     (calibrated when random, see runtime.vision.calibrate), for float32 and bfloat16.
+  3. latency p50/p99 under Poisson arrivals at 50% and 90% of our capacity, with dynamic
      batching (profiled preferred size, max_batch_size) and without (batch 1).
-  3. 8 loopback MJPEG streams at 15 fps: frame-to-result latency p50/p99, frames dropped.
+  4. 8 loopback MJPEG streams at 15 fps: frame-to-result latency p50/p99, frames dropped.
 Writes bench_vision.json and bench_vision.png to --out and prints a table.
 """
 
@@ -24,6 +27,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="yolo26n.yaml")
     parser.add_argument("--imgsz", type=int, default=640)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="our engine's dtype (float32 keeps parity with Ultralytics)")
     parser.add_argument("--num-images", type=int, default=64, help="generated 480x640 images (+ bus, zidane)")
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--streams", type=int, default=8)
@@ -74,6 +79,51 @@ def _ultralytics(model_path: str, folder: str, imgsz: int, device: str, batches:
         rates[bs] = count / (time.perf_counter() - t0)
         assert count == n
     return rates
+
+
+PARITY_CONF = 0.05  # low, so that each image gives hundreds of detections to compare
+PARITY_IMAGES = 10
+
+
+def _parity(model_path: str, paths: list[str], imgsz: int, device: str, dtypes: list[str]) -> dict[str, dict]:
+    """Per dtype: our detections against Ultralytics' float32 predict(nms=False) over `paths`:
+    box / confidence errors of each reference detection to its nearest same-class match
+    (runtime.vision.calibrate.match_errors), as median, largest (of those matched) and counts."""
+    import cv2
+    import numpy as np
+    import torch
+    from ultralytics import YOLO
+
+    from runtime.vision.calibrate import calibrate, match_errors
+    from runtime.vision.config import VisionConfig
+    from runtime.vision.runner import YoloRunner
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = YOLO(model_path)
+    images = [cv2.imread(p) for p in paths]
+    if model_path.endswith((".yaml", ".yml")):
+        calibrate(model.model, images, imgsz)
+    runners = {dt: YoloRunner(VisionConfig(model=model_path, imgsz=imgsz, device=device, conf=PARITY_CONF, dtype=dt),
+                              module=model.model) for dt in dtypes}  # fmt: skip
+    refs = [model.predict(p, imgsz=imgsz, conf=PARITY_CONF, device=device, verbose=False, nms=False)[0].boxes.cpu()
+            for p in paths]  # fmt: skip
+    out = {}
+    for dt, runner in runners.items():
+        box_err, conf_err, count = [], [], 0
+        for image, ref in zip(images, refs):
+            (d,) = runner.predict([image])
+            b, c = match_errors(d.boxes, d.conf, d.cls, ref.xyxy.numpy(), ref.conf.numpy(), ref.cls.numpy().astype(np.int64))
+            box_err.append(b)
+            conf_err.append(c)
+            count += len(d)
+        b, c = np.concatenate(box_err), np.concatenate(conf_err)
+        found = np.isfinite(b)
+        out[dt] = {"count": count, "ref_count": len(b), "no_class_match": int((~found).sum()),
+                   "median_box_px": float(np.median(b)) if len(b) else 0.0,
+                   "max_box_px": float(b[found].max()) if found.any() else 0.0,
+                   "max_conf": float(c[found].max()) if found.any() else 0.0, "over_1px": int((b > 1.0).sum())}  # fmt: skip
+    return out
 
 
 def _throughput(engine, paths: list[str]) -> float:
@@ -186,14 +236,17 @@ def run_bench(args: argparse.Namespace) -> int:
     ul_batches = [1, args.max_batch_size] if args.quick else sorted({1, 4, args.max_batch_size})
     ul = _ultralytics(args.model, folder, args.imgsz, args.device, ul_batches)
     log(f"ultralytics images/s by batch: { {k: round(v, 2) for k, v in ul.items()} }")
-    base = dict(model=args.model, imgsz=args.imgsz, device=args.device, max_batch_size=args.max_batch_size)
+    base = dict(model=args.model, imgsz=args.imgsz, device=args.device, max_batch_size=args.max_batch_size,
+                dtype=args.dtype)  # fmt: skip
     results: dict = {"model": args.model, "imgsz": args.imgsz, "device": args.device, "images": len(paths)}
     engine = VisionEngine(VisionConfig(**base))
     try:
         ours = _throughput(engine, paths)
-        results["profile_images_per_s"] = engine.stats()["profile_images_per_s"]
-        results["preferred_batch_sizes"] = list(engine.preferred_batch_sizes)
-        log(f"tandem images/s: {ours:.2f} (preferred batch {engine.preferred_batch_sizes})")
+        stats = engine.stats()
+        for key in ("profile_images_per_s", "preferred_batch_sizes", "workers", "threads_per_worker"):
+            results[key] = stats[key]
+        log(f"tandem images/s: {ours:.2f} (preferred batch {engine.preferred_batch_sizes}, "
+            f"{engine.workers} workers x {engine.threads} threads)")  # fmt: skip
         images = [cv2.imread(p) for p in paths[:8]]
         latency = {}
         for frac in (0.5, 0.9):
@@ -208,9 +261,22 @@ def run_bench(args: argparse.Namespace) -> int:
             latency[f"batch1 {int(frac * 100)}%"] = _poisson_latency(single, images, frac * ours, n_requests)
     finally:
         single.close()
+    extra = {}  # the opt-in bfloat16 engine, where the CPU runs it (AVX512-BF16 / AMX)
+    if args.device == "cpu" and args.dtype == "float32" and _cpu_bf16():
+        bf16 = VisionEngine(VisionConfig(**{**base, "dtype": "bfloat16"}))
+        try:
+            extra["bfloat16"] = _throughput(bf16, paths)
+        finally:
+            bf16.close()
+        log(f"tandem bfloat16 images/s: {extra['bfloat16']:.2f}")
+    dtypes = [args.dtype, *extra]
+    # bus.jpg and zidane.jpg (real scenes, two aspect ratios) first, then generated images
+    parity_paths = sorted(paths, key=lambda p: os.path.basename(p).startswith("img"))[:PARITY_IMAGES]
+    parity = _parity(args.model, parity_paths, args.imgsz, args.device, dtypes)
     best_ul = max(ul.values())
     results["throughput"] = {"ultralytics": ul, "tandem": ours, "ratio_vs_best": ours / best_ul,
-                             "ratio_vs_batch1": ours / ul[1]}  # fmt: skip
+                             "ratio_vs_batch1": ours / ul[1], "tandem_by_dtype": {args.dtype: ours, **extra}}  # fmt: skip
+    results["parity_vs_ultralytics_float32"] = {"conf": PARITY_CONF, "images": len(parity_paths), **parity}
     results["latency"] = latency
     with open(os.path.join(args.out, "bench_vision.json"), "w") as fh:
         json.dump(results, fh, indent=2)
@@ -218,7 +284,13 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"{'measure':34s} {'value':>10s} {'vs ultralytics':>15s}")
     for bs, r in ul.items():
         print(f"{'ultralytics images/s, batch ' + str(bs):34s} {r:10.2f} {r / best_ul:14.2f}x")
-    print(f"{'tandem images/s':34s} {ours:10.2f} {ours / best_ul:14.2f}x")
+    print(f"{'tandem images/s (' + args.dtype + ')':34s} {ours:10.2f} {ours / best_ul:14.2f}x")
+    for dt, r in extra.items():
+        print(f"{'tandem images/s (' + dt + ', opt-in)':34s} {r:10.2f} {r / best_ul:14.2f}x")
+    for dt, e in parity.items():
+        print(f"{'parity ' + dt + ' vs UL fp32, px/conf':34s} box median {e['median_box_px']:.2g} max {e['max_box_px']:.2g}, "
+              f"conf max {e['max_conf']:.2g}; {e['over_1px']}/{e['ref_count']} boxes >1 px off "
+              f"({e['no_class_match']} class unmatched), {e['count']} dets vs {e['ref_count']}")  # fmt: skip
     for key, r in latency.items():
         print(f"{'latency ' + key + ' p50/p99 ms':34s} {r['p50_ms']:6.0f}/{r['p99_ms']:<6.0f} batch {r['mean_batch']:.2f}")
     s = results["streams"]
@@ -227,6 +299,13 @@ def run_bench(args: argparse.Namespace) -> int:
           f"dropped {s['frames_dropped']}")  # fmt: skip
     print(f"wrote {os.path.join(args.out, 'bench_vision.json')} and bench_vision.png")
     return 0
+
+
+def _cpu_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 natively here (else it is emulated, and slower than float32)."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,9 @@ def add_detect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-delay-ms", type=float, default=5.0)
     parser.add_argument("--vid-stride", type=int, default=1, help="run every n-th video frame")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="float32 matches Ultralytics; bfloat16 (CPU with AMX/AVX512-BF16) is faster "
+                             "but its boxes can differ: validate it on your weights")
     parser.add_argument("--max-frames", type=int, default=None,
                         help="stop after this many input frames, error entries included (for streams)")
     parser.add_argument("--save", metavar="DIR", default=None, help="write annotated images / videos here")
@@ -53,7 +56,7 @@ def run_detect(args: argparse.Namespace) -> int:
 
     try:
         config = VisionConfig(model=args.model, imgsz=args.imgsz, conf=args.conf, iou=args.iou,
-                              device=args.device, max_batch_size=args.max_batch_size,
+                              device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
                               max_queue_delay_ms=args.max_queue_delay_ms, profile=not args.no_profile)  # fmt: skip
         if args.max_frames is not None and args.max_frames < 1:
             raise ValueError(f"--max-frames must be >= 1, got {args.max_frames}")

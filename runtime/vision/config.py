@@ -7,8 +7,10 @@ so users find what they know.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+MAX_CPU_WORKERS = 8  # each holds a batch of activations: bounds memory on many-core hosts (workers then get more threads)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -34,7 +36,11 @@ class VisionConfig:
     end2end: bool | None = None  # None: the head mode the model was saved with; True/False forces it
     dtype: str = "float32"  # bfloat16/float16 only where parity still holds; float16 only on CUDA
     channels_last: bool = True  # NHWC convolutions: faster with oneDNN on CPU and cuDNN on GPU
-    num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+    jit: bool = True  # CPU: run a traced TorchScript graph of the model (same results, less overhead)
+    # Engine inference threads, each running whole batches with `num_threads` torch threads.
+    # None: on CPU one per core (up to 8) with 1 thread each, on GPUs 1. See engine.py for why.
+    workers: int | None = None
+    num_threads: int | None = None  # torch intra-op threads (per engine worker); None: see workers
     seed: int = 0  # the random weights of a .yaml build, so runs are reproducible
     # Dynamic batching (schedulers.DynamicBatchConfig)
     max_batch_size: int = 8
@@ -45,6 +51,14 @@ class VisionConfig:
     priority_levels: int = 2
     profile: bool = True  # time each batch size at start-up to choose the preferred one
     profile_iters: int = 2
+
+    def threads(self) -> tuple[int, int | None]:
+        """(inference workers, torch threads per worker; None: torch's default)."""
+        if not self.device.startswith("cpu"):
+            return self.workers or 1, self.num_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = self.workers or min(cores, MAX_CPU_WORKERS)
+        return workers, self.num_threads or max(1, cores // workers)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -63,6 +77,8 @@ class VisionConfig:
             raise ValueError(f"dtype 'float16' needs a CUDA device, got device {self.device!r}")
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, 1)
+        if self.workers is not None:
+            _check_int("workers", self.workers, 1)
         _check_int("max_batch_size", self.max_batch_size, 1)
         self.preferred_batch_sizes = tuple(sorted(set(self.preferred_batch_sizes)))
         for size in self.preferred_batch_sizes:

@@ -3,13 +3,19 @@
 The module is prepared the way Ultralytics' AutoBackend prepares a .pt model (Conv+BN
 fused, eval, float, no grads, the head's mode chosen before fusion drops the other head),
 which is what makes our detections match `YOLO(...).predict(...)` to float rounding.
+
+On CPU the prepared module is then traced once into a TorchScript graph (`config.jit`, see
+runtime.vision.jit): the same operations without Python's per-layer dispatch, which changes
+no result bit on the shapes it is verified on.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -30,15 +36,36 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     channels_last: bool
+    strides: tuple[int, ...] = (8, 16, 32)  # the head's, for counting anchors
+    # The traced TorchScript graph (runtime.vision.jit) and the fewest head anchors an input
+    # must give for it: an end-to-end head's top-k size is a constant in the graph.
+    graph: Callable[[torch.Tensor], torch.Tensor] | None = None
+    graph_min_anchors: int = 0
+    # The eager head caches its anchors on itself per input shape, so two threads running
+    # different shapes at once would swap anchors: eager forwards take turns.
+    eager_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @torch.inference_mode()
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """Raw head output for a (B, 3, H, W) float batch in [0, 1]."""
+    def forward(self, images: torch.Tensor, eager: bool = False) -> torch.Tensor:
+        """Raw head output for a (B, 3, H, W) float batch in [0, 1]; eager=True skips the
+        traced graph (forward hooks, which the graph does not call, need that)."""
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        out = self.module(images.to(self.dtype))
-        out = out[0] if isinstance(out, (tuple, list)) else out  # eval mode returns (decoded, raw head dict)
-        return out.float()
+        if self.graph is not None and not eager and anchors(images.shape[-2:], self.strides) >= self.graph_min_anchors:
+            return self.graph(images)
+        with self.eager_lock:
+            return head_output(self.module(images.to(self.dtype)))
+
+
+def head_output(out: object) -> torch.Tensor:
+    """The decoded head tensor in float32 (eval mode returns (decoded, raw head dict))."""
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out.float()  # type: ignore[union-attr]
+
+
+def anchors(hw: tuple[int, int] | torch.Size, strides: tuple[int, ...] = (8, 16, 32)) -> int:
+    """How many anchor points the head has for an (h, w) input (one per cell per stride)."""
+    return sum((hw[0] // s) * (hw[1] // s) for s in strides)
 
 
 def _build(config: VisionConfig, module: nn.Module | None) -> tuple[nn.Module, bool, str]:
@@ -92,5 +119,14 @@ def load_model(config: VisionConfig, module: nn.Module | None = None) -> LoadedM
     if isinstance(names, (list, tuple)):
         names = dict(enumerate(names))
     stride = max(int(head.stride.max()), 32)
-    return LoadedModel(model, dict(names), stride, end2end, random_weights, description, device, dtype,
-                       config.channels_last)  # fmt: skip
+    loaded = LoadedModel(model, dict(names), stride, end2end, random_weights, description, device, dtype,
+                         config.channels_last, tuple(int(v) for v in head.stride))  # fmt: skip
+    if config.jit and device.type == "cpu":
+        from runtime.vision.jit import build_graph
+
+        key = None
+        if random_weights:  # the .yaml and the seed determine the weights
+            key = (config.model, config.seed, config.imgsz, config.dtype, config.channels_last, end2end,
+                   int(getattr(head, "max_det", 0)), config.device)  # fmt: skip
+        build_graph(loaded, config.imgsz, key)
+    return loaded

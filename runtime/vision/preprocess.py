@@ -86,7 +86,10 @@ class BatchBuffers:
 
 def to_tensor(batch_hwc: np.ndarray, device: torch.device) -> torch.Tensor:
     """uint8 BGR NHWC -> float RGB NCHW in [0, 1], in the same operation order as Ultralytics
-    (transfer as uint8, flip channels, then divide) so the input is bit-identical."""
+    (transfer as uint8, flip channels, then divide) so the input is bit-identical.
+
+    The channels are flipped before the NHWC -> NCHW permute, so the float tensor comes out
+    channels_last in memory: the layout the model runs in, with no further copy."""
     t = torch.from_numpy(batch_hwc).to(device, non_blocking=True)
-    t = t.permute(0, 3, 1, 2).flip(1)
+    t = t.flip(3).permute(0, 3, 1, 2)
     return t.float().div_(255)

@@ -38,8 +38,12 @@ class Prepared:
 
 class YoloRunner:
     def __init__(self, config: VisionConfig | None = None, module: nn.Module | None = None,
-                 memory: DeviceMemoryManager | None = None) -> None:  # fmt: skip
+                 memory: DeviceMemoryManager | None = None, workers: int = 1) -> None:  # fmt: skip
+        """workers: how many batches run at once (the engine's inference workers), for the
+        memory reservation; the runner itself is safe to call from that many threads.
+        config.num_threads, when set, applies to the calling thread (torch's setting is per thread)."""
         self.config = config or VisionConfig()
+        self.workers = workers
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         self.model = load_model(self.config, module)
@@ -160,7 +164,7 @@ class YoloRunner:
         hooks = [m.register_forward_hook(lambda m, i, o, k=k: sizes.append((k, nbytes(i), nbytes(o))))
                  for k, m in enumerate(layers or [])]  # fmt: skip
         try:
-            self.model.forward(torch.zeros((1, 3, s, s), device=dev))
+            self.model.forward(torch.zeros((1, 3, s, s), device=dev), eager=True)  # the graph calls no hooks
         finally:
             for h in hooks:
                 h.remove()
@@ -170,15 +174,16 @@ class YoloRunner:
         return int((max(i + o for _, i, o in sizes) + kept) * batch_size)
 
     def reserve_memory(self, memory: DeviceMemoryManager) -> dict[str, int]:
-        """Reserve weights, two batches of staging + input buffers (one being prepared while
-        one runs) and the activation peak at max_batch_size; MemoryError if they do not fit."""
+        """Reserve weights, staging + input buffers for workers + 1 batches (one being prepared
+        while each worker runs one) and an activation peak at max_batch_size per worker;
+        MemoryError if they do not fit."""
         c = self.config
         elem = torch.tensor([], dtype=self.model.dtype).element_size()
         per_image = c.imgsz * c.imgsz * 3 * (1 + 4 + (elem if elem != 4 else 0))  # uint8 staging, float32, cast
         amounts = {
             WEIGHTS_OWNER: sum(p.numel() * p.element_size() for p in self.model.module.parameters()),
-            BUFFERS_OWNER: 2 * c.max_batch_size * per_image,
-            ACTIVATIONS_OWNER: self.activation_bytes(c.max_batch_size),
+            BUFFERS_OWNER: (self.workers + 1) * c.max_batch_size * per_image,
+            ACTIVATIONS_OWNER: self.workers * self.activation_bytes(c.max_batch_size),
         }
         for owner, n in amounts.items():
             memory.reserve(owner, n)
