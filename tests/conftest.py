@@ -10,6 +10,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Test modules import Ultralytics at collection; without this, its OMP_NUM_THREADS=1 default
+# would make every torch op of the session single-threaded.
+from runtime.vision.ultralytics_import import import_ultralytics  # noqa: E402
+
+import_ultralytics()
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:

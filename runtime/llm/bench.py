@@ -1,7 +1,8 @@
 """`tandem bench llm`: useful tokens/s on one workload, every contestant in the same run.
 
-Workload: chat prompts with output lengths drawn at random (seeded), `ignore_eos` so every
-request generates exactly its length; 16 slots. "Useful" tokens are the ones requests asked
+Workload: chat prompts with output lengths drawn at random (seeded; log-uniform by default,
+since real answer lengths are long-tailed, or uniform), `ignore_eos` so every request
+generates exactly its length; 16 slots. "Useful" tokens are the ones requests asked
 for: a static batch that keeps decoding for its longest member earns nothing for the padding.
 
 Contestants: Tandem continuous, Tandem static (request-level batching on the same engine),
@@ -12,6 +13,7 @@ batching manager, all on the same weights and dtype.
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import time
@@ -31,21 +33,25 @@ def add_bench_arguments(p) -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--min-tokens", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--dist", choices=["loguniform", "uniform"], default="loguniform", help="output lengths")
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="only Tandem's two schedulers")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--seed", type=int, default=0)
 
 
-def _workload(tokenizer, n: int, lo: int, hi: int, seed: int) -> tuple[list[list[int]], list[int]]:
+def _workload(tokenizer, n: int, lo: int, hi: int, seed: int, dist: str) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
+    draw = (lambda: round(math.exp(rng.uniform(math.log(lo), math.log(hi))))) if dist == "loguniform" else (
+        lambda: rng.randint(lo, hi)
+    )
     prompts, lengths = [], []
     for i in range(n):
         msgs = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
-        lengths.append(rng.randint(lo, hi))
+        lengths.append(draw())
     return prompts, lengths
 
 
@@ -131,9 +137,13 @@ def run_bench(args) -> int:
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     tok = load_model(args.model).tokenizer
-    prompts, lengths = _workload(tok, args.num_requests, args.min_tokens, args.max_tokens, args.seed)
-    print(f"{len(prompts)} requests, output lengths {min(lengths)}..{max(lengths)} (sum {sum(lengths)}), {args.slots} slots")
-    report = {"num_requests": len(prompts), "useful_tokens": sum(lengths), "slots": args.slots, "runs": {}}
+    prompts, lengths = _workload(tok, args.num_requests, args.min_tokens, args.max_tokens, args.seed, args.dist)
+    print(
+        f"{len(prompts)} requests, {args.dist} output lengths {min(lengths)}..{max(lengths)} "
+        f"(mean {statistics.fmean(lengths):.0f}, sum {sum(lengths)}), {args.slots} slots"
+    )
+    report = {"num_requests": len(prompts), "useful_tokens": sum(lengths), "slots": args.slots,
+              "dist": args.dist, "lengths": lengths, "runs": {}}  # fmt: skip
     for dtype in dtypes:
         rows = [_tandem(args.model, dtype, "continuous", prompts, lengths, args.slots),
                 _tandem(args.model, dtype, "static", prompts, lengths, args.slots)]  # fmt: skip

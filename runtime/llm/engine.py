@@ -19,6 +19,7 @@ from runtime.llm.detokenizer import IncrementalDetokenizer
 from runtime.llm.outputs import RequestMetrics, RequestOutput
 from runtime.llm.sampling_params import SamplingParams
 from runtime.memory import DeviceMemoryManager, MemoryConfig
+from runtime.threads import settle_native_pools
 from schedulers import (
     ContinuousBatchScheduler,
     DynamicBatchConfig,
@@ -89,6 +90,7 @@ class LLMEngine:
         from runtime.llm.runner import ModelRunner
 
         self.config = c = config or EngineConfig()
+        settle_native_pools()  # see runtime/threads.py
         device = c.resolved_device()
         on_cpu = device == "cpu"
         self.loaded = load_model(c.model, dtype=c.dtype, device=device, cache_dir=c.cache_dir)

@@ -21,6 +21,8 @@ import shutil
 import sys
 import time
 
+from runtime.vision.ultralytics_import import import_ultralytics
+
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench_out", help="directory for bench_vision.json / .png")
@@ -45,6 +47,8 @@ def _pct(values: list[float], q: float) -> float:
 def _images(folder: str, n: int) -> list[str]:
     import cv2
     import numpy as np
+
+    import_ultralytics()
     from ultralytics.utils import ASSETS
 
     os.makedirs(folder, exist_ok=True)
@@ -62,6 +66,8 @@ def _images(folder: str, n: int) -> list[str]:
 
 def _ultralytics(model_path: str, folder: str, imgsz: int, device: str, batches: list[int]) -> dict[int, float]:
     import torch
+
+    import_ultralytics()
     from ultralytics import YOLO
 
     with torch.random.fork_rng(devices=[]):
@@ -92,6 +98,8 @@ def _parity(model_path: str, paths: list[str], imgsz: int, device: str, dtypes: 
     import cv2
     import numpy as np
     import torch
+
+    import_ultralytics()
     from ultralytics import YOLO
 
     from runtime.vision.calibrate import calibrate, match_errors

@@ -35,6 +35,9 @@ def run_vision_demo(engine=None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from contextlib import nullcontext
 
+    from runtime.vision.ultralytics_import import import_ultralytics
+
+    import_ultralytics()
     from ultralytics.utils import ASSETS
 
     from runtime.vision.engine import VisionEngine

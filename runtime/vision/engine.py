@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from runtime.memory import DeviceMemoryManager
+from runtime.threads import settle_native_pools
 from runtime.vision.config import VisionConfig
 from runtime.vision.runner import YoloRunner
 from schedulers import Batch, DynamicBatchConfig, DynamicBatchScheduler
@@ -107,6 +108,7 @@ class VisionEngine:
     def __init__(self, config: VisionConfig | None = None, module: nn.Module | None = None,
                  memory: DeviceMemoryManager | None = None) -> None:  # fmt: skip
         self.config = c = config or VisionConfig()
+        settle_native_pools()  # before any thread of ours touches oneDNN (see runtime/threads.py)
         self.workers, self.threads = c.threads()
         # Built (model load, trace, check) on a helper thread with a worker's thread count, so
         # that the caller's torch thread setting stays its own (the runner applies num_threads).

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from runtime.vision.config import VisionConfig
+from runtime.vision.ultralytics_import import import_ultralytics
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,6 +75,7 @@ def _build(config: VisionConfig, module: nn.Module | None) -> tuple[nn.Module, b
         return copy.deepcopy(module), False, f"{type(module).__name__} (given module)"
     path = config.model
     if path.endswith((".yaml", ".yml")):
+        import_ultralytics()
         from ultralytics import YOLO
 
         with torch.random.fork_rng(devices=[]):  # seeded build, without touching the caller's RNG
@@ -84,6 +86,7 @@ def _build(config: VisionConfig, module: nn.Module | None) -> tuple[nn.Module, b
         raise ValueError(f"model must be a .yaml model config or a .pt checkpoint, got {path!r}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model checkpoint not found: {path} (this runtime never downloads weights)")
+    import_ultralytics()
     from ultralytics.nn.tasks import load_checkpoint
 
     model, _ = load_checkpoint(path, device="cpu")
