@@ -6,7 +6,7 @@ Heavy parts (torch, transformers, ultralytics) load on first use, so that import
 
 from __future__ import annotations
 
-import importlib
+from runtime.lazy import lazy_getattr
 
 _LAZY = {
     "LLM": "runtime.llm.api",
@@ -17,9 +17,4 @@ _LAZY = {
 }
 
 __all__ = list(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+__getattr__ = lazy_getattr("runtime", _LAZY)

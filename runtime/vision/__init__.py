@@ -9,7 +9,7 @@ torch and ultralytics load on first use, so `runtime.vision.cli`'s argument pars
 
 from __future__ import annotations
 
-import importlib
+from runtime.lazy import lazy_getattr
 
 _LAZY = {
     "VisionConfig": "runtime.vision.config",
@@ -21,9 +21,4 @@ _LAZY = {
 }
 
 __all__ = list(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'runtime.vision' has no attribute {name!r}")
+__getattr__ = lazy_getattr("runtime.vision", _LAZY)
