@@ -42,3 +42,23 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return str(out)
+
+
+VISION_IMGSZ = 320
+
+
+def calibrated_yolo():
+    """A fresh YOLO26n (seeded random weights) calibrated on bus.jpg and zidane.jpg, so that
+    comparisons see hundreds of distinct detections (see runtime/vision/calibrate.py). Each
+    test module builds its own: Ultralytics' predict may fuse the model in place."""
+    import cv2
+    import torch
+    from ultralytics import YOLO
+    from ultralytics.utils import ASSETS
+
+    from runtime.vision.calibrate import calibrate
+
+    torch.manual_seed(0)
+    model = YOLO("yolo26n.yaml")
+    calibrate(model.model, [cv2.imread(str(ASSETS / n)) for n in ("bus.jpg", "zidane.jpg")], VISION_IMGSZ)
+    return model

@@ -19,26 +19,24 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ultralytics import YOLO  # noqa: E402
 from ultralytics.utils import ASSETS  # noqa: E402
 
+from conftest import VISION_IMGSZ, calibrated_yolo  # noqa: E402
+
 from runtime.vision import jit  # noqa: E402
-from runtime.vision.calibrate import calibrate  # noqa: E402
 from runtime.vision.config import VisionConfig  # noqa: E402
 from runtime.vision.engine import VisionEngine  # noqa: E402
 from runtime.vision.model import LoadedModel  # noqa: E402
 from runtime.vision.preprocess import to_tensor  # noqa: E402
 from runtime.vision.runner import YoloRunner  # noqa: E402
 
-IMGSZ = 320
+IMGSZ = VISION_IMGSZ
 PATHS = [str(ASSETS / "bus.jpg"), str(ASSETS / "zidane.jpg")]
 
 
 @pytest.fixture(scope="module")
 def net():
-    torch.manual_seed(0)
-    model = YOLO("yolo26n.yaml")
-    return calibrate(model.model, [cv2.imread(p) for p in PATHS], IMGSZ)
+    return calibrated_yolo().model
 
 
 @pytest.fixture(scope="module")

@@ -20,21 +20,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from ultralytics import YOLO  # noqa: E402
 from ultralytics.utils import ASSETS  # noqa: E402
 
-from runtime.vision.calibrate import calibrate  # noqa: E402
+from conftest import VISION_IMGSZ, calibrated_yolo  # noqa: E402
+
 from runtime.vision.config import VisionConfig  # noqa: E402
 from runtime.vision.runner import YoloRunner  # noqa: E402
 
-IMGSZ = 320
+IMGSZ = VISION_IMGSZ
 CONF = 0.05
 PATHS = [str(ASSETS / "bus.jpg"), str(ASSETS / "zidane.jpg")]
 
 
 @pytest.fixture(scope="module")
 def yolo():
-    torch.manual_seed(0)
-    model = YOLO("yolo26n.yaml")
-    calibrate(model.model, [cv2.imread(p) for p in PATHS], IMGSZ)
-    return model
+    return calibrated_yolo()
 
 
 def _compare(ours, ref):
