@@ -5,9 +5,18 @@ A token at position p of a sequence with block table `bt` lives in slot
 `bt[p // block_size] * block_size + p % block_size` of the flattened cache.
 
     decode rows   one query per sequence, all sequences at once: gather each sequence's
-                  slots (padded to the longest context), mask the padding, one SDPA call
+                  slots (padded to the longest context, padding read from a zero slot),
+                  mask the padding, one SDPA call
     prefill chunk queries at positions [start, start + q_len) of one sequence, attending
                   causally to every cached position before theirs; one SDPA call per chunk
+
+Padding must read zeros, not merely be masked: an additive -inf does not hide a NaN or inf
+key (NaN + -inf = NaN, inf + -inf = NaN), and a zero weight does not hide a NaN value
+(0 * NaN = NaN), so a padding slot that pointed into another sequence's block could carry its
+garbage into this one. decode_slot_table points every position past a sequence's context at
+one slot the caller keeps zeroed and never writes (the runner's scratch block), which costs
+one masked_fill on the small slot table per step instead of cleaning the gathered K/V in
+every layer.
 
 Grouped-query attention never copies K/V per query head: for decode, the g query heads that
 share a KV head are laid out as g "query rows" of that head; for prefill SDPA's enable_gqa
@@ -31,6 +40,17 @@ def slot_table(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
     """[B, max_blocks] block ids -> [B, max_blocks * block_size] slot ids, position order."""
     offsets = torch.arange(block_size, device=block_tables.device, dtype=block_tables.dtype)
     return (block_tables.unsqueeze(-1) * block_size + offsets).flatten(1)
+
+
+def decode_slot_table(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, max_len: int, pad_slot: int
+) -> torch.Tensor:
+    """[B, max_blocks] block ids, [B] context lengths -> [B, max_len] slot ids, position order,
+    with every position at or past a sequence's context (padding blocks and the unwritten
+    tail of its last block alike) at `pad_slot`, a slot that must hold zeros."""
+    slots = slot_table(block_tables, block_size)[:, :max_len]
+    pos = torch.arange(max_len, device=block_tables.device)
+    return slots.masked_fill(pos >= context_lens.unsqueeze(-1), pad_slot)
 
 
 def decode_mask(context_lens: torch.Tensor, max_len: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -58,11 +78,12 @@ def paged_decode_attention(
     mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [B, num_heads, head_dim], one query per sequence; `slots` [B, L] from slot_table
-    (cut to the longest context), `mask` [B, 1, 1, L] from decode_mask (bool or additive). Returns [B, num_heads, head_dim].
+    """q [B, num_heads, head_dim], one query per sequence; `slots` [B, L] from
+    decode_slot_table, `mask` [B, 1, 1, L] from decode_mask (bool or additive). Returns
+    [B, num_heads, head_dim].
 
-    Padding slots may point anywhere in the cache: masked keys get zero weight, and every
-    slot holds finite values (the cache starts zeroed), so they cannot leak NaN."""
+    Padding slots must point at zeros (see the module docstring): the mask gives them zero
+    weight, and only a finite key and value there make that weight exact."""
     b, nh, hd = q.shape
     nkv = k_cache.shape[-2]
     k = gather_kv(k_cache, slots).transpose(1, 2)  # [B, nkv, L, hd]

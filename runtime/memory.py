@@ -1,8 +1,15 @@
 """DeviceMemoryManager: one byte budget per device, and every byte of it has an owner.
 
     budget (memory_utilization x device memory on CUDA, a configured size on CPU)
-    ├── reservations: "llm.weights", "llm.activations", "vision.batch_buffers", ...
+    ├── reservations, per owner instance: "vision.weights", "vision.batch_buffers",
+    │   "llm.weights", "llm.activations", ... (a second vision engine on the same device
+    │   reserves as "vision#2.weights": two engines never share a reservation by name)
     └── the rest: the KV block pool, carved into fixed-size blocks (runtime/block_pool.py)
+
+An engine claims an instance name once (`claim("vision")`), reserves under it
+(`reserve("vision.weights", n)`, additive) and gives everything back with one
+`release("vision")`. The Runtime builds the vision path first, so the KV pool is sized from
+what its measured peak leaves.
 
 Importing this module does not import torch; it asks torch for device memory only when the
 budget is not given and the device is CUDA.
@@ -38,8 +45,10 @@ class DeviceMemoryManager:
         self.config = config or MemoryConfig()
         self.total_bytes = self._budget(self.config)
         self._reservations: dict[str, int] = {}
+        self._claimed: set[str] = set()
         self._lock = threading.Lock()  # vision and LLM paths may reserve from different threads
         self.kv_pool: BlockPool | None = None
+        self.kv_owner: str | None = None
         self.kv_bytes_per_block = 0
 
     @staticmethod
@@ -61,25 +70,44 @@ class DeviceMemoryManager:
     def free_bytes(self) -> int:
         return self.total_bytes - self.reserved_bytes
 
-    def reserve(self, owner: str, num_bytes: int) -> None:
-        """Take `num_bytes` for `owner` (growing an existing reservation to that size)."""
-        if num_bytes < 0:
-            raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
+    def claim(self, kind: str) -> str:
+        """A name for one engine instance of `kind` ("vision", then "vision#2", ...), so that
+        two engines on one device never add to or release each other's reservations."""
+        if not kind or "." in kind:
+            raise ValueError(f"kind must be a non-empty name without '.', got {kind!r}")
         with self._lock:
-            extra = num_bytes - self._reservations.get(owner, 0)
-            if extra > self.free_bytes:
+            name, n = kind, 1
+            while name in self._claimed:
+                n += 1
+                name = f"{kind}#{n}"
+            self._claimed.add(name)
+            return name
+
+    def reserve(self, owner: str, num_bytes: int) -> None:
+        """Add `num_bytes` to `owner`'s reservation; MemoryError (naming every owner) if the
+        budget cannot hold it, and then nothing changes."""
+        if not isinstance(num_bytes, int) or num_bytes < 0:
+            raise ValueError(f"num_bytes must be an integer >= 0, got {num_bytes!r}")
+        with self._lock:
+            if num_bytes > self.free_bytes:
                 raise MemoryError(
-                    f"cannot reserve {num_bytes / 2**20:.1f} MiB for {owner!r}: "
+                    f"cannot reserve {num_bytes / 2**20:.1f} MiB more for {owner!r}: "
                     f"{self.free_bytes / 2**20:.1f} MiB free of {self.total_bytes / 2**20:.1f} MiB "
                     f"({self._describe()})"
                 )
-            self._reservations[owner] = num_bytes
+            self._reservations[owner] = self._reservations.get(owner, 0) + num_bytes
 
-    def release(self, owner: str) -> None:
+    def release(self, owner: str) -> int:
+        """Give back `owner`'s reservation and those below it ("vision" releases
+        "vision.weights" too, not "vision#2.weights"); returns the bytes freed. Releasing the
+        KV pool's owner drops the pool. An instance name claimed with `claim` is free again."""
         with self._lock:
-            if owner == self.KV_OWNER:
+            names = [k for k in self._reservations if k == owner or k.startswith(owner + ".")]
+            if self.kv_pool is not None and self.kv_owner in names:
                 self.kv_pool = None
-            self._reservations.pop(owner, None)
+                self.kv_owner = None
+            self._claimed.discard(owner)
+            return sum(self._reservations.pop(k) for k in names)
 
     def create_kv_pool(
         self,
@@ -87,8 +115,10 @@ class DeviceMemoryManager:
         block_size: int,
         num_blocks: int | None = None,
         enable_prefix_caching: bool = True,
+        owner: str = KV_OWNER,
     ) -> BlockPool:
-        """Turn the unreserved rest of the budget (or exactly `num_blocks`) into KV blocks."""
+        """Turn the unreserved rest of the budget (or exactly `num_blocks`) into KV blocks,
+        reserved under `owner` (the LLM engine passes "<its instance>.kv_cache")."""
         if bytes_per_block <= 0:
             raise ValueError(f"bytes_per_block must be > 0, got {bytes_per_block}")
         if self.kv_pool is not None:
@@ -100,7 +130,8 @@ class DeviceMemoryManager:
                 f"no room for a single KV block of {bytes_per_block} bytes: "
                 f"{self.free_bytes} bytes free ({self._describe()})"
             )
-        self.reserve(self.KV_OWNER, num_blocks * bytes_per_block)
+        self.reserve(owner, num_blocks * bytes_per_block)
+        self.kv_owner = owner
         self.kv_bytes_per_block = bytes_per_block
         self.kv_pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         return self.kv_pool

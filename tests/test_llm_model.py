@@ -238,11 +238,15 @@ def test_memory_reservations_and_kv_shape(model_dir):
     spec = runner.spec
     per_block = 2 * spec.num_layers * 8 * spec.num_kv_heads * spec.head_dim * 4
     assert runner.kv_pool.num_blocks == 2**20 // per_block
+    assert runner.memory_owner == "llm"
     owners = mem.stats()["owners"]
     assert owners["llm.weights"] > 0 and owners["llm.activations"] > 0
     assert owners["llm.kv_cache"] == runner.kv_pool.num_blocks * per_block
+    assert owners["llm.kv_scratch"] == per_block  # the zeroed block decode padding reads
     k, v = runner.kv_caches[0]
-    assert k.shape == (runner.kv_pool.num_blocks, 8, spec.num_kv_heads, spec.head_dim) == v.shape
+    assert k.shape == (runner.kv_pool.num_blocks + 1, 8, spec.num_kv_heads, spec.head_dim) == v.shape
+    runner.release_memory()
+    assert mem.reserved_bytes == 0 and mem.kv_pool is None
     # The rest of the budget by default.
     mem2 = DeviceMemoryManager(MemoryConfig(budget_bytes=64 * 2**20))
     r2 = ModelRunner(load_model(model_dir), mem2, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)

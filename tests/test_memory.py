@@ -24,9 +24,30 @@ def test_over_reservation_is_refused_with_owners_named():
     mm.reserve("llm.weights", 2**20)
     with pytest.raises(MemoryError, match="llm.weights=1.0 MiB"):
         mm.reserve("vision.activations", 2 * 2**20)
-    mm.reserve("llm.weights", 2 * 2**20)  # growing one's own reservation to the budget is fine
-    mm.release("llm.weights")
+    mm.reserve("llm.weights", 2**20)  # reservations add up: one's own to the whole budget is fine
+    assert mm.stats()["owners"] == {"llm.weights": 2 * 2**20}
+    assert mm.release("llm.weights") == 2 * 2**20
     assert mm.free_bytes == 2 * 2**20
+
+
+def test_owner_instances_never_share_a_reservation():
+    mm = DeviceMemoryManager(MemoryConfig(budget_bytes=10_000))
+    first, second = mm.claim("vision"), mm.claim("vision")
+    assert (first, second) == ("vision", "vision#2")
+    mm.reserve(f"{first}.weights", 1_000)
+    mm.reserve(f"{second}.weights", 2_000)
+    mm.reserve(f"{second}.activations", 500)
+    assert mm.stats()["owners"] == {"vision.weights": 1_000, "vision#2.weights": 2_000, "vision#2.activations": 500}
+    assert mm.release(second) == 2_500  # the instance and everything below it, nothing of the other
+    assert mm.stats()["owners"] == {"vision.weights": 1_000}
+    assert mm.claim("vision") == "vision#2"  # a released instance name is free again
+    llm = mm.claim("llm")
+    pool = mm.create_kv_pool(bytes_per_block=1_000, block_size=16, owner=f"{llm}.kv_cache")
+    assert pool.num_blocks == 9 and mm.kv_pool is pool
+    mm.release(llm)
+    assert mm.kv_pool is None and mm.free_bytes == 9_000
+    with pytest.raises(ValueError, match="kind"):
+        mm.claim("a.b")
 
 
 def test_kv_pool_with_explicit_block_count_and_errors():

@@ -12,24 +12,32 @@ serve them all with one batched call; prefill chunks follow, one attention call 
 The runner takes the weights out of `loaded.state_dict` (it empties it unless
 release_state_dict=False): the model keeps fused, pre-packed copies, and holding both would
 double the weight memory.
+
+Device memory is reserved under one owner instance claimed from the manager ("llm", or
+"llm#2" for a second runner on the same device): "<owner>.weights", ".activations",
+".kv_scratch" and the KV pool's ".kv_cache"; release_memory() gives all of it back at once.
+
+If execute() raises, the caller aborts the plan's requests and calls drop_requests() with
+their ids. Nothing else needs undoing: a step changes runner state only for requests of its
+plan (their block tables, their K/V slots, their sampled tokens, which are appended last,
+after the only host sync), and it pops freed ids with a default, so a later plan that frees
+an already-dropped id is fine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_attention import decode_mask, slot_table
+from kernels.paged_attention import decode_mask, decode_slot_table, slot_table
 from runtime.block_pool import BlockPool
 from runtime.llm.loader import DTYPES, LoadedModel
 from runtime.llm.model import AttentionMetadata, LlamaModel, ModelSpec, PrefillChunk
 from runtime.llm.sampler import Sampler, SamplingBatch, row_seed
 from runtime.memory import DeviceMemoryManager
 from schedulers.plan import StepPlan, StepResult
-
-WEIGHTS_OWNER = "llm.weights"
-ACTIVATIONS_OWNER = "llm.activations"
 
 
 @dataclass(slots=True)
@@ -84,29 +92,61 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.eos_token_ids = list(loaded.eos_token_ids)
         self.memory = memory
-
-        self.model = LlamaModel(spec, loaded.state_dict, self.dtype, device, max_model_len, batch_hint=max_num_seqs)
-        if release_state_dict:
-            loaded.state_dict = {}  # the model holds (fused copies of) every weight now
-        memory.reserve(WEIGHTS_OWNER, self.model.num_parameter_bytes())
-        memory.reserve(ACTIVATIONS_OWNER, self._activation_bytes(max_num_seqs, max_num_batched_tokens))
-
         elt = torch.empty((), dtype=self.dtype).element_size()
         per_block = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elt
         if num_kv_blocks is None and kv_cache_bytes is not None:
             num_kv_blocks = kv_cache_bytes // per_block
             if num_kv_blocks < 1:
                 raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block ({per_block} bytes)")
-        self.kv_pool: BlockPool = memory.create_kv_pool(per_block, block_size, num_kv_blocks, enable_prefix_caching)
-        n = self.kv_pool.num_blocks
-        # One zeroed tensor (padding slots read by batched decode must hold finite values).
-        self.kv_cache = torch.zeros(
-            (spec.num_layers, 2, n, block_size, spec.num_kv_heads, spec.head_dim), dtype=self.dtype, device=self.device
-        )
+
+        self.memory_owner = owner = memory.claim("llm")
+        self._memory_released = False
+        try:
+            self.model = LlamaModel(spec, loaded.state_dict, self.dtype, device, max_model_len, batch_hint=max_num_seqs)
+            memory.reserve(f"{owner}.weights", self.model.num_parameter_bytes())
+            memory.reserve(f"{owner}.activations", self._activation_bytes(max_num_seqs, max_num_batched_tokens))
+            memory.reserve(f"{owner}.kv_scratch", per_block)  # before the pool, which may take all the rest
+            self.kv_pool: BlockPool = memory.create_kv_pool(
+                per_block, block_size, num_kv_blocks, enable_prefix_caching, owner=f"{owner}.kv_cache"
+            )
+            n = self.kv_pool.num_blocks
+            # Block n is scratch: the pool never hands it out, so nothing writes it and it
+            # stays zero; batched decode reads its first slot at every padding position (see
+            # kernels/paged_attention.py for why masking alone is not enough).
+            self.pad_block = n
+            self.pad_slot = n * block_size
+            shape = (spec.num_layers, 2, n + 1, block_size, spec.num_kv_heads, spec.head_dim)
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except BaseException:
+            memory.release(owner)  # a runner that failed to start keeps no name and no bytes
+            raise
+        if release_state_dict:
+            loaded.state_dict = {}  # the model holds (fused copies of) every weight now
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
         self.sampler = Sampler()
         self.requests: dict[str, _RequestState] = {}
         self.last_logits: torch.Tensor | None = None  # the last step's logits, for tests and debugging
+
+    def release_memory(self) -> None:
+        """Give back every byte reserved for this runner and drop the tensors they paid for
+        (the runner cannot execute afterwards). Idempotent: a second call must not release
+        the reservations of a newer runner that claimed the same owner name since."""
+        if self._memory_released:
+            return
+        self._memory_released = True
+        self.memory.release(self.memory_owner)
+        self.model = None
+        self.kv_cache = None
+        self.kv_caches = []
+        self.last_logits = None
+        self.requests.clear()
+
+    def drop_requests(self, request_ids: Iterable[str]) -> None:
+        """Forget the state of `request_ids` (unknown ids are fine): the engine's cleanup after
+        an execute() that raised, once it has aborted those requests in the scheduler."""
+        requests = self.requests
+        for rid in request_ids:
+            requests.pop(rid, None)
 
     def _activation_bytes(self, max_num_seqs: int, max_tokens: int) -> int:
         """An upper estimate of one step's temporaries, so the KV pool leaves room for them."""
@@ -141,6 +181,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        if self._memory_released:
+            raise RuntimeError("this runner has released its memory (release_memory) and cannot execute")
         requests = self.requests
         for rid in plan.freed_req_ids:
             requests.pop(rid, None)
@@ -180,11 +222,12 @@ class ModelRunner:
         if decodes:
             max_ctx = max(dec_pos) + 1
             nblk = -(-max_ctx // bs)
+            pad = self.pad_block
             table = [states[i].block_ids[:nblk] for i in decodes]
-            table = [row + [0] * (nblk - len(row)) for row in table]
+            table = [row + [pad] * (nblk - len(row)) for row in table]
             bt = torch.tensor(table, dtype=torch.long)
             dp = torch.tensor(dec_pos, dtype=torch.long)
-            meta.decode_slots = slot_table(bt, bs)[:, :max_ctx].to(self.device)
+            meta.decode_slots = decode_slot_table(bt, dp + 1, bs, max_ctx, self.pad_slot).to(self.device)
             meta.decode_mask = decode_mask(dp + 1, max_ctx, self.dtype).to(self.device)
             pos_parts.append(dp)
             slot_parts.append(torch.tensor(dec_slots, dtype=torch.long))
