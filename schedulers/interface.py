@@ -28,11 +28,13 @@ class BlockAllocator(Protocol):
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block; unreferenced blocks return to the free list."""
 
-    def extend_block_hashes(self, token_ids: Sequence[int], hashes: list[int]) -> None:
-        """Append one chained hash per further full block of `token_ids` to `hashes`."""
+    def extend_block_hashes(self, token_ids: Sequence[int], hashes: list[bytes]) -> None:
+        """Append one chained hash per further full block of `token_ids` to `hashes`. The
+        hashes are opaque digests, keyed per pool: only the pool that made them can use them."""
 
-    def find_cached_prefix(self, block_hashes: Sequence[int], token_ids: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached prefix of full blocks (no references taken)."""
+    def find_cached_prefix(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
+        """Block ids of the longest cached prefix of full blocks (no references taken). A block
+        matches only if its tokens and its whole prefix match, never on the hash alone."""
 
     def num_evictable(self, block_ids: Sequence[int]) -> int:
         """How many of these cached blocks sit unreferenced in the free list."""
@@ -40,8 +42,11 @@ class BlockAllocator(Protocol):
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take one reference on each cached block (removing it from the free list if needed)."""
 
-    def publish(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> None:
-        """Enter a computed full block in the prefix cache."""
+    def publish_blocks(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], hashes: list[bytes], start: int, end: int
+    ) -> None:
+        """Enter computed full blocks [start, end) of a sequence in the prefix cache, extending
+        its `hashes` as needed; blocks [0, start) were entered (or hit) before."""
 
 
 class Scheduler(Protocol):

@@ -71,8 +71,9 @@ class Request:
     num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    # Chained hashes of the full blocks of token_ids, grown as blocks fill (prefix caching).
-    block_hashes: list[int] = field(default_factory=list)
+    # Chained hashes of the full blocks of token_ids, grown as blocks fill (prefix caching);
+    # digests keyed by the pool, meaningful to it alone.
+    block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0  # full blocks already entered in the prefix cache
     next_publish_at: int = 0  # num_computed_tokens at which the next block fills (set on admission)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission

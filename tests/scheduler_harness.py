@@ -24,6 +24,9 @@ class MirrorRunner:
         self.stop_at = stop_at or {}  # request id -> output position at which to emit stop_token
         self.stop_token = stop_token
         self.prompt_len: dict[str, int] = {}
+        # Plans do not carry the block size: drive() (or a test) sets it from the scheduler,
+        # so that the runner can check block capacity.
+        self.block_size: int | None = None
 
     def execute(self, plan: StepPlan) -> StepResult:
         for rid in plan.freed_req_ids:
@@ -39,7 +42,8 @@ class MirrorRunner:
             self.blocks[rid].extend(plan.new_block_ids.get(rid, []))
             end = plan.num_computed_tokens[i] + plan.num_scheduled_tokens[i]
             assert end <= len(self.tokens[rid]), f"{rid}: computing past its known tokens"
-            assert end <= len(self.blocks[rid]) * BLOCK_SIZE[0], f"{rid}: not enough blocks for {end} tokens"
+            if self.block_size is not None:
+                assert end <= len(self.blocks[rid]) * self.block_size, f"{rid}: not enough blocks for {end} tokens"
             assert plan.sample[i] == (end == len(self.tokens[rid]))
             if plan.sample[i]:
                 n_out = end - self.prompt_len[rid]
@@ -51,7 +55,33 @@ class MirrorRunner:
         return StepResult(out)
 
 
-BLOCK_SIZE = [16]  # set by drive() so the runner can check block capacity
+class KVRunner(MirrorRunner):
+    """A MirrorRunner that also tracks what each KV slot holds: the whole prefix of token ids
+    whose last token was computed into it (attention makes a slot depend on all of them).
+
+    Every step, before writing, it checks that each planned request's computed tokens sit in
+    its blocks with their own prefix: a prefix-cache hit on a block with the same tokens but
+    another prefix, or a shared block overwritten, fails at the step it would corrupt."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block id, slot) -> prefix
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        result = super().execute(plan)  # applies the plan's diffs; only appends sampled tokens
+        bs = self.block_size
+        assert bs is not None, "KVRunner needs block_size (drive() sets it)"
+        for i, rid in enumerate(plan.req_ids):
+            tokens, blocks = tuple(self.tokens[rid]), self.blocks[rid]
+            for p in range(plan.num_computed_tokens[i]):
+                held = self.kv.get((blocks[p // bs], p % bs))
+                assert held == tokens[: p + 1], f"{rid}: KV of token {p} (block {blocks[p // bs]}) holds another prefix"
+        for i, rid in enumerate(plan.req_ids):
+            tokens, blocks = tuple(self.tokens[rid]), self.blocks[rid]
+            start = plan.num_computed_tokens[i]
+            for p in range(start, start + plan.num_scheduled_tokens[i]):
+                self.kv[blocks[p // bs], p % bs] = tokens[: p + 1]
+        return result
 
 
 def check_invariants(sched, plan: StepPlan, runner: MirrorRunner | None = None) -> None:
@@ -77,8 +107,8 @@ def check_invariants(sched, plan: StepPlan, runner: MirrorRunner | None = None) 
 
 def drive(sched, runner: MirrorRunner | None = None, max_steps: int = 10_000, on_step=None):
     """Run to completion, checking invariants every step. Returns (plans, outputs by request)."""
-    BLOCK_SIZE[0] = sched.table.block_size
     runner = runner or MirrorRunner()
+    runner.block_size = sched.table.block_size
     plans, tokens, reasons = [], {}, {}
     for step in range(max_steps):
         if not sched.has_unfinished():

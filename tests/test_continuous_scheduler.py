@@ -25,6 +25,7 @@ def req(rid, n_prompt, max_tokens=4, arrival=0.0, priority=0, prompt=None, **sto
 
 
 def step(sched, runner):
+    runner.block_size = sched.table.block_size
     plan = sched.schedule()
     check_invariants(sched, plan)
     out = sched.update(plan, runner.execute(plan))
@@ -114,8 +115,18 @@ def test_preemption_by_recompute_with_a_tiny_pool_keeps_outputs_exact():
     def on_step(step, plan, outputs):
         events.append(outputs.num_preempted)
 
-    _, tokens, reasons = drive(sched, on_step=on_step)
-    assert sched.table.num_preemptions > 0
+    plans, tokens, reasons = drive(sched, on_step=on_step)
+    # Every preemption is reported in the outputs of the step that made it.
+    assert sum(events) == sched.table.num_preemptions > 0
+    # By recompute: a preempted request is sent to the runner again whole, with the tokens it
+    # had generated, and none of it counted as computed (its KV cache was dropped).
+    sent = [new for plan in plans for new in plan.new_requests]
+    assert len(sent) == 3 + sched.table.num_preemptions
+    resent = [new for new in sent if len(new.token_ids) > 8]
+    assert resent, "no request was preempted after generating"
+    for new in sent:
+        assert new.num_computed_tokens == 0 and new.num_prompt_tokens == 8
+        assert new.token_ids[8:] == tokens[new.request_id][: len(new.token_ids) - 8]
     for i in range(3):
         rid = f"r{i}"
         assert tokens[rid] == [token_at(rid, 8 + k) for k in range(10)], f"{rid} lost or changed tokens"
@@ -187,9 +198,7 @@ def test_prefix_cache_full_prompt_hit_still_computes_one_token():
 def test_cached_blocks_are_evicted_lru_only_when_needed():
     pool = BlockPool(4, 2)
     a = pool.allocate(2)
-    pool.extend_block_hashes([1, 2, 3, 4], hashes := [])
-    pool.publish(a[0], hashes[0], [1, 2])
-    pool.publish(a[1], hashes[1], [3, 4])
+    pool.publish_blocks([1, 2, 3, 4], a, hashes := [], 0, 2)
     pool.free(a)
     assert pool.num_free_blocks == 4 and len(pool.free_cached) == 2
     b = pool.allocate(2)  # the two never-cached blocks go first
@@ -203,9 +212,9 @@ def test_cached_blocks_are_evicted_lru_only_when_needed():
 def test_hash_collision_is_ruled_out_by_comparing_token_ids():
     pool = BlockPool(4, 2)
     blocks = pool.allocate(1)
-    pool.publish(blocks[0], 12345, [1, 2])
-    assert pool.find_cached_prefix([12345], [1, 2]) == blocks
-    assert pool.find_cached_prefix([12345], [9, 9]) == []  # same hash, other tokens: a miss
+    pool.publish_blocks([1, 2], blocks, hashes := [], 0, 1)
+    assert pool.find_cached_prefix(hashes, [1, 2]) == blocks
+    assert pool.find_cached_prefix(hashes, [9, 9]) == []  # same hash, other tokens: a miss
 
 
 def test_abort_frees_everything_at_once_wherever_the_request_is():
