@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from sources.base import Frame, SourceError, is_stream_url
 from sources.stream_reader import TERMINAL, StreamConfig, StreamHealth, StreamReader
@@ -118,6 +118,25 @@ class StreamsSource:
         now = time.monotonic()
         with self._cond:
             return [r.health(now) for r in self.readers]
+
+    def wait_for(self, predicate: Callable[[list[StreamHealth]], bool], timeout: float | None = None) -> bool:
+        """Block until `predicate(health())` holds or the source closes; whether it holds.
+
+        The predicate is re-checked whenever a reader changes state, reads a frame or reports
+        an error (each notifies the source's condition), so a supervisor or a test waits on
+        the streams' progress instead of sleeping and polling. It takes no frames: while
+        nobody consumes, newest-only readers drop frames and FIFOs fill. "stalled" is the
+        absence of events, so a predicate on it is only re-checked at the next event.
+        `timeout` (seconds, None: no limit) bounds the wait; False if it ran out first.
+        """
+
+        def holds() -> bool:
+            now = time.monotonic()
+            return predicate([r.health(now) for r in self.readers])
+
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or holds(), timeout)
+            return holds()
 
     def close(self) -> None:
         with self._cond:

@@ -120,11 +120,19 @@ def test_stream_config_is_validated():
         StreamConfig(backoff_initial_s=5, backoff_max_s=1)
 
 
-def _collect(src, seconds):
-    frames, end = [], time.monotonic() + seconds
-    while time.monotonic() < end:
-        frames.extend(src.next_batch(timeout=0.2))
+def _take_until(src, done, limit_s=10.0):
+    """Frames from `src` until `done(frames)` holds. next_batch wakes on every frame and error,
+    so `limit_s` is only a safety limit, reached when `done` never comes true."""
+    frames, deadline = [], time.monotonic() + limit_s
+    while not done(frames):
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"not done after {limit_s} s: {len(frames)} frames, health {src.health()}"
+        frames.extend(src.next_batch(timeout=remaining))
     return frames
+
+
+def _ok_from(frames, stream):
+    return sum(fr.ok and fr.stream == stream for fr in frames)
 
 
 def test_dead_stream_is_reported_and_live_streams_keep_producing(tmp_path):
@@ -133,18 +141,24 @@ def test_dead_stream_is_reported_and_live_streams_keep_producing(tmp_path):
         f.write_text(f"{a.url}\n{dead_url()}\n{b.url}\n")
         src = load_source(str(f), stream_config=StreamConfig(backoff_initial_s=0.1, backoff_max_s=0.2))
         try:
-            frames = _collect(src, 1.5)
+            def both_live_while_it_retries(frames, retries, live):
+                return src.health()[1].reconnects >= retries and min(_ok_from(frames, 0), _ok_from(frames, 2)) >= live
+
+            # Take frames until the dead stream has failed twice and is connecting a third time:
+            # an error per retry would by then have put two error frames out.
+            frames = _take_until(src, lambda fr: both_live_while_it_retries(fr, retries=2, live=5))
+            frames += src.next_batch(timeout=0)  # an error queued after the last batch was taken
             errors = [fr for fr in frames if fr.error]
-            live = [fr for fr in frames if fr.ok]
-            assert errors and all(e.stream == 1 and "refused" in e.error.lower() for e in errors)
             assert len(errors) == 1  # reported once when it goes down, not on every retry
-            assert {fr.stream for fr in live} == {0, 2}
-            assert sum(fr.stream == 0 for fr in live) >= 5 and sum(fr.stream == 2 for fr in live) >= 5
+            assert errors[0].stream == 1 and "refused" in errors[0].error.lower()
+            assert {fr.stream for fr in frames if fr.ok} == {0, 2}
             health = {h.stream: h for h in src.health()}
             assert health[1].state in ("retrying", "connecting") and health[1].reconnects >= 2 and health[1].last_error
             assert health[0].state == "live" and health[2].state == "live"
-            later = _collect(src, 0.5)  # the dead one never stops the others
-            assert {fr.stream for fr in later if fr.ok} == {0, 2}
+            # The dead one never stops the others: both deliver more while it retries again.
+            retries = health[1].reconnects
+            later = _take_until(src, lambda fr: both_live_while_it_retries(fr, retries + 1, live=3))
+            assert not any(fr.stream == 1 for fr in later)  # down already reported, silent since
         finally:
             src.close()
         assert not any(r.alive for r in src.readers)
@@ -155,12 +169,15 @@ def test_newest_frame_only_drops_stale_frames_and_fifo_keeps_order():
         latest = StreamsSource([cam.url], StreamConfig())
         fifo = StreamsSource([cam.url], StreamConfig(buffer=100))
         try:
-            time.sleep(0.8)  # nobody consumes: newest-only keeps 1 frame, the FIFO keeps them all
-            (newest,) = latest.next_batch(timeout=1)
-            assert latest.health()[0].frames_dropped >= 5 and newest.index >= 5
-            first = fifo.next_batch(timeout=1)[0]
-            second = fifo.next_batch(timeout=1)[0]
-            assert (first.index, second.index) == (0, 1) and fifo.health()[0].frames_dropped == 0
+            # Nobody consumes until both have read several frames: newest-only keeps 1, the FIFO all.
+            assert latest.wait_for(lambda h: h[0].frames_dropped >= 5, timeout=10)
+            assert fifo.wait_for(lambda h: h[0].frames_read >= 5, timeout=10)
+            (seen,) = latest.health()
+            (newest,) = latest.next_batch(timeout=0)
+            assert seen.frames_dropped == seen.frames_read - 1  # every frame but the newest was dropped
+            assert newest.index >= seen.frames_read - 1  # the frame taken is the newest, not a stale one
+            taken = [fr.index for _ in range(5) for fr in fifo.next_batch(timeout=0)]
+            assert taken == [0, 1, 2, 3, 4] and fifo.health()[0].frames_dropped == 0
         finally:
             latest.close()
             fifo.close()
@@ -170,13 +187,14 @@ def test_stalled_stream_times_out_and_is_retried():
     with MjpegServer(stall=True) as cam:
         src = StreamsSource([cam.url], StreamConfig(read_timeout_s=0.3, backoff_initial_s=0.1, max_retries=1))
         try:
-            t0 = time.monotonic()
-            frames = []
-            while not src.finished and time.monotonic() - t0 < 5:
-                frames.extend(src.next_batch(timeout=0.2))
-            assert src.finished, "max_retries=1 must end the stream after the second stall"
-            assert frames and "timed out" in frames[0].error.lower()
-            assert src.health()[0].state == "failed" and src.health()[0].reconnects == 1
+            failed = src.wait_for(lambda h: h[0].state == "failed", timeout=10)
+            assert failed, "max_retries=1 must end the stream after the second stall"
+            frames = list(src)  # its error frames, then the end: a failed stream is finished
+            assert src.finished
+            # one error when it went down, one when it gave up: both say the read timed out
+            assert len(frames) == 2 and all(not fr.ok and "timed out" in fr.error.lower() for fr in frames)
+            (health,) = src.health()
+            assert health.reconnects == 1 and health.frames_read == 0  # retried once, never sent a frame
         finally:
             src.close()
 
