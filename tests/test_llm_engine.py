@@ -153,3 +153,46 @@ def test_incremental_detokenizer_holds_back_a_possible_stop_string():
     assert "".join(streamed) == "abc "  # "EN" might begin "END": held back
     detok.add([ord("D")])
     assert detok.stop_at == 4 and detok.take_delta(True) == "" and detok.visible_text() == "abc "
+
+
+def test_stop_strings_are_ignored_until_min_tokens_exist():
+    detok = IncrementalDetokenizer(_ByteTokenizer(), [ord("x")], stop=["ab"], min_tokens=4)
+    for ch in "ab":  # a stop string within the first min_tokens outputs: not a stop
+        detok.add([ord(ch)])
+    assert detok.stop_at is None
+    for ch in "cdab":
+        detok.add([ord(ch)])
+    assert detok.stop_at == 4 and detok.visible_text() == "abcd"
+
+
+def test_the_final_text_keeps_a_trailing_incomplete_character_as_a_full_decode_does():
+    data = list("fin 中".encode())[:-1]  # the last character cut in the middle
+    detok = IncrementalDetokenizer(_ByteTokenizer(), [ord("x")], stop=[])
+    streamed = []
+    for b in data:
+        detok.add([b])
+        streamed.append(detok.take_delta(False))
+    assert "".join(streamed) == "fin "  # held back while it might still complete
+    detok.finish()
+    streamed.append(detok.take_delta(True))
+    assert detok.visible_text() == bytes(data).decode("utf-8", errors="replace") == "".join(streamed)
+
+
+def test_min_tokens_outlasts_a_stop_string_end_to_end(llm):
+    p = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    full = llm.generate(["Count"], p)[0]
+    stop = full.text[1:3]  # appears within the first few tokens
+    early = llm.generate(["Count"], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    late = llm.generate(
+        ["Count"], SamplingParams(max_tokens=30, min_tokens=len(early.token_ids) + 3, temperature=0, ignore_eos=True, stop=[stop])
+    )[0]
+    assert len(late.token_ids) >= len(early.token_ids) + 3  # the early stop string did not end it
+    assert late.token_ids[: len(early.token_ids)] == early.token_ids
+
+
+def test_streamed_and_unstreamed_requests_get_the_same_text(llm):
+    p = SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)
+    plain = llm.generate(["Hello there"], p)[0]
+    streamed = list(llm.stream("Hello there", p))
+    assert plain.text == streamed[-1].text == "".join(o.delta_text for o in streamed)
+    assert sum((o.delta_token_ids for o in streamed), []) == plain.token_ids

@@ -112,12 +112,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict]) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model has no chat template; use generate() with plain prompts")
-        for i, m in enumerate(conversation):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}")
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return self.engine.apply_chat_template(conversation)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield outputs of one request as its text grows (`delta_text`), then the final one."""

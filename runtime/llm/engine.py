@@ -6,14 +6,22 @@ turns each step's token ids into text, metrics and finished outputs:
     outputs = scheduler.update(plan, result)
 
 Not thread-safe: one thread drives `step()` (the caller's, or the Runtime's loop thread).
+`prepare()` alone may be called from any thread, so that callers of the Runtime get their
+ValueError at once, on their own thread.
+
+A runner exception inside a step fails exactly the requests of that step's plan (aborted in
+the scheduler, so their KV blocks return, and dropped from the runner), each with the error;
+the engine stays consistent and serves the rest.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from runtime.llm.detokenizer import IncrementalDetokenizer
 from runtime.llm.outputs import RequestMetrics, RequestOutput
@@ -68,10 +76,27 @@ class EngineConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+Sink = Callable[[RequestOutput], None]
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A checked, tokenized request, made on the caller's thread (`LLMEngine.prepare`) and
+    queued on the engine's thread (`LLMEngine.add_prepared`)."""
+
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    deadline: float | None = None  # monotonic seconds; past it, a still-queued request is rejected
+
+
 class _Tracked:
     """The engine's side of one request: what the scheduler does not need to know."""
 
-    __slots__ = ("req", "prompt", "params", "metrics", "detok", "stream", "error", "pending")
+    __slots__ = ("req", "prompt", "params", "metrics", "detok", "sink", "error", "error_code", "num_sent")
 
     def __init__(self, req: Request, prompt: str | None, params: SamplingParams, metrics: RequestMetrics) -> None:
         self.req = req
@@ -79,9 +104,10 @@ class _Tracked:
         self.params = params
         self.metrics = metrics
         self.detok: IncrementalDetokenizer | None = None
-        self.stream = False
+        self.sink: Sink | None = None  # gets every streamed output, and the final one
         self.error: str | None = None
-        self.pending: list[RequestOutput] = []  # streamed outputs not yet taken
+        self.error_code: str | None = None
+        self.num_sent = 0  # output tokens already handed to the sink
 
 
 class LLMEngine:
@@ -121,7 +147,12 @@ class LLMEngine:
         self.vocab_size = int(self.loaded.config.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self._ids_lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
         self.num_steps = 0
+        self.num_failed_steps = 0
+        self.last_step_shape = (0, 0)  # (requests, tokens) of the last step, for cost models
+        self._deadlines: list[tuple[float, str]] = []  # (deadline, request id), a heap
 
     # ---- requests in ------------------------------------------------------------------------
 
@@ -131,7 +162,8 @@ class LLMEngine:
                 raise ValueError("prompt must be a non-empty string or a non-empty list of token ids, got ''")
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass a list of token ids")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) or []
+            with self._tokenizer_lock:  # HF fast tokenizers are not safe to share across threads
+                return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) or []
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError(f"prompt must be a non-empty string or a non-empty list of token ids, got {prompt!r}")
         ids = list(prompt)
@@ -139,67 +171,128 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {ids[:8]!r}...")
         return None, ids
 
+    def prepare(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+        priority: int = 0, deadline_s: float | None = None,
+    ) -> PreparedRequest:  # fmt: skip
+        """Check and tokenize a request; safe on any thread. ValueError names the field.
+        `deadline_s` (seconds from now): if the request is still queued then, it is rejected."""
+        if deadline_s is not None and (
+            isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0
+        ):
+            raise ValueError(f"deadline_s must be a number of seconds > 0 or None, got {deadline_s!r}")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id must be a non-empty string or None, got {request_id!r}")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt must encode to at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                f"the prompt must be shorter than max_model_len to generate anything"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; this model has none")
+        with self._ids_lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        now = time.monotonic()
+        return PreparedRequest(rid, text, ids, params, priority, now, None if deadline_s is None else now + deadline_s)
+
+    def add_prepared(self, p: PreparedRequest, sink: Sink | None = None) -> str:
+        """Queue a prepared request (on the engine's thread). With a sink, every step that
+        adds text hands it a streamed output, and the final output goes there too."""
+        rid = p.request_id
+        if rid in self._tracked:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        params = p.params
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        req = Request(
+            rid, p.token_ids, StopCriteria(params.max_tokens, params.min_tokens, frozenset(stop_ids)),
+            priority=p.priority, arrival_time=p.arrival_time, sampling=params,
+        )  # fmt: skip
+        self.scheduler.add_request(req)
+        t = _Tracked(req, p.prompt, params, RequestMetrics(arrival_time=p.arrival_time, deadline=p.deadline))
+        if p.deadline is not None:
+            heapq.heappush(self._deadlines, (p.deadline, rid))
+        if self.tokenizer is not None:
+            # One detokenizer gives both the stream and the final text. It runs every step only
+            # where text must be seen as it comes (a sink, or stop strings); else once, at the end.
+            t.detok = IncrementalDetokenizer(
+                self.tokenizer, p.token_ids, params.stop, params.skip_special_tokens, params.min_tokens
+            )
+        t.sink = sink
+        self._tracked[rid] = t
+        return rid
+
     def add_request(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
-        stream: bool = False,
+        sink: Sink | None = None,
+        deadline_s: float | None = None,
     ) -> str:
         """Queue a request; raises ValueError (naming the field) if it can never run. Nothing
         else in flight is touched by a rejected request."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt must encode to at least one token")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._tracked:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        now = time.monotonic()
-        req = Request(
-            rid, ids, StopCriteria(params.max_tokens, params.min_tokens, frozenset(stop_ids)),
-            priority=priority, arrival_time=now, sampling=params,
-        )  # fmt: skip
-        self.scheduler.add_request(req)
-        t = _Tracked(req, text, params, RequestMetrics(arrival_time=now))
-        if stream or params.stop:
-            if self.tokenizer is None and params.stop:
-                self.scheduler.abort(rid)
-                raise ValueError("stop: stop strings need a tokenizer; this model has none")
-            if self.tokenizer is not None:
-                t.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
-        t.stream = stream
-        self._tracked[rid] = t
-        return rid
+        return self.add_prepared(self.prepare(prompt, params, request_id, priority, deadline_s), sink)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, error: str | None = None, error_code: str | None = None) -> bool:
+        """End a request wherever it is (its blocks return at once); False if unknown."""
         t = self._tracked.get(request_id)
         if t is None or not self.scheduler.abort(request_id):
             return False
+        t.error, t.error_code = error, error_code
         self._finish(t, "abort", time.monotonic())
         return True
+
+    def apply_chat_template(self, conversation: list[dict]) -> str:
+        """The prompt text of a conversation ({"role", "content"} dicts); safe on any thread."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template; use plain prompts")
+        if not isinstance(conversation, list) or not conversation:
+            raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {conversation!r}")
+        for i, m in enumerate(conversation):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content', got {m!r}")
+        with self._tokenizer_lock:
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+
+    def next_step_shape(self) -> tuple[int, int]:
+        """A guess of the next step's (requests, tokens), before planning it: running requests
+        decode one token each, and if anyone waits for a slot, a prefill fills the budget."""
+        s = self.scheduler
+        running = len(s.running)
+        if len(s.waiting) and running < s.config.max_num_seqs:
+            return min(s.config.max_num_seqs, running + len(s.waiting)), s.config.max_num_batched_tokens
+        return running, running
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def close(self) -> None:
+        """Give the device memory back (weights, activations, KV pool). The engine is unusable after."""
+        self.runner.release_memory()
+
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration. Returns the outputs of requests that finished in it, and of streamed
-        requests that produced text."""
-        finished: list[RequestOutput] = []
+        """One iteration. Returns the outputs of requests that finished in it (streamed
+        outputs go to each request's sink)."""
         now = time.monotonic()
+        finished = self.expire_queued(now) if self._deadlines else []
         plan = self.scheduler.schedule(now)
         for rid, msg in plan.rejected.items():
             t = self._tracked.get(rid)
             if t is not None:
-                t.error = msg
+                t.error, t.error_code = msg, "queue_timeout"
                 finished.append(self._finish(t, "abort", now))
         if plan.is_empty:
             return finished
@@ -207,9 +300,13 @@ class LLMEngine:
             t = self._tracked.get(new.request_id)
             if t is not None and t.metrics.first_scheduled_time is None:
                 t.metrics.first_scheduled_time = now
-        result = self.runner.execute(plan)
+        try:
+            result = self.runner.execute(plan)
+        except Exception as exc:  # noqa: BLE001 - one step's failure stays with its requests
+            return finished + self._fail_step(plan, exc)
         outs = self.scheduler.update(plan, result)
         self.num_steps += 1
+        self.last_step_shape = (plan.num_reqs, plan.total_tokens)
         now = time.monotonic()
         tracked = self._tracked
         streamed: list[_Tracked] = []
@@ -224,54 +321,102 @@ class LLMEngine:
                 t.metrics.first_token_time = now
             times.append(now)
             detok = t.detok
-            if detok is not None:
+            if detok is not None and (t.sink is not None or t.params.stop):
                 detok.add(tokens)
                 if detok.stop_at is not None and rid not in outs.finished:
                     self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                     outs.finished[rid] = "stop"
-                if t.stream:
-                    streamed.append(t)
+            if t.sink is not None:
+                streamed.append(t)
         for rid, reason in outs.finished.items():
             t = tracked.get(rid)
             if t is not None:
                 finished.append(self._finish(t, reason, now))
         for t in streamed:
             if t.req.request_id in tracked:
-                t.pending.append(self._output(t, None, delta=t.detok.take_delta(False)))
+                t.sink(self._output(t, None))
         return finished
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a request that may still be queued (monotonic seconds)."""
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def expire_queued(self, now: float) -> list[RequestOutput]:
+        """Reject requests whose deadline passed before they were first scheduled. One that
+        is already running goes on; its metrics say whether it missed."""
+        out = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, rid = heapq.heappop(heap)
+            t = self._tracked.get(rid)
+            if t is None or t.metrics.first_scheduled_time is not None:
+                continue
+            self.scheduler.abort(rid)
+            waited = (now - t.metrics.arrival_time) * 1000
+            t.error = (
+                f"request {rid!r} waited {waited:.0f} ms in the queue, past its deadline of "
+                f"{(deadline - t.metrics.arrival_time) * 1000:.0f} ms, and was not started"
+            )
+            t.error_code = "deadline_exceeded"
+            out.append(self._finish(t, "abort", now))
+        return out
+
+    def _fail_step(self, plan, exc: Exception) -> list[RequestOutput]:
+        """The runner raised: end every request of the plan with the error, give their blocks
+        back and drop their runner state, so scheduler, pool and runner agree again."""
+        self.num_failed_steps += 1
+        ids = list(dict.fromkeys([*plan.req_ids, *(n.request_id for n in plan.new_requests)]))
+        now = time.monotonic()
+        failed = []
+        message = f"the engine step failed: {type(exc).__name__}: {exc}"
+        for rid in ids:
+            self.scheduler.abort(rid)
+            t = self._tracked.get(rid)
+            if t is not None:
+                t.error, t.error_code = message, "engine_error"
+                failed.append(self._finish(t, "abort", now))
+        self.runner.drop_requests(ids)
+        return failed
 
     def _finish(self, t: _Tracked, reason: str, now: float) -> RequestOutput:
         t.metrics.finished_time = now
         self._tracked.pop(t.req.request_id, None)
-        out = self._output(t, reason, delta=t.detok.take_delta(True) if t.detok is not None else "")
-        if t.stream:
-            t.pending.append(out)
+        detok = t.detok
+        if detok is not None:
+            if t.sink is None and not t.params.stop:
+                detok.add(t.req.output_token_ids)  # its one pass, at the end
+            detok.finish()
+        out = self._output(t, reason)
+        if t.sink is not None:
+            t.sink(out)
         return out
 
-    def _output(self, t: _Tracked, reason: str | None, delta: str) -> RequestOutput:
+    def _output(self, t: _Tracked, reason: str | None) -> RequestOutput:
+        """A snapshot (lists copied: outputs may cross to other threads while the request
+        goes on). `delta_*` hold what is new since the last output handed to the sink."""
         req = t.req
         ids = req.output_token_ids
-        if t.detok is not None:
-            text = t.detok.visible_text()
-        elif reason is not None and self.tokenizer is not None:
-            text = self.tokenizer.decode(ids, skip_special_tokens=t.params.skip_special_tokens)
-        else:
-            text = ""
+        detok = t.detok
+        text = detok.visible_text() if detok is not None else ""
+        delta = detok.take_delta(reason is not None) if detok is not None else ""
+        new_ids = ids[t.num_sent :]
+        t.num_sent = len(ids)
         return RequestOutput(
-            req.request_id, t.prompt, req.prompt_token_ids, ids, text, reason, t.metrics, t.error, delta
-        )
+            req.request_id, t.prompt, req.prompt_token_ids, list(ids), text, reason, t.metrics, t.error, delta,
+            new_ids, t.error_code,
+        )  # fmt: skip
 
     # ---- streaming --------------------------------------------------------------------------
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> Iterator[RequestOutput]:
         """Add a request and yield its outputs as text arrives, driving steps from this thread.
         The last output has finished=True. Other requests in flight advance too."""
-        rid = self.add_request(prompt, params, stream=True, **kw)
-        t = self._tracked[rid]
+        pending: list[RequestOutput] = []
+        rid = self.add_request(prompt, params, sink=pending.append, **kw)
         try:
             while True:
-                while t.pending:
-                    out = t.pending.pop(0)
+                while pending:
+                    out = pending.pop(0)
                     yield out
                     if out.finished:
                         return

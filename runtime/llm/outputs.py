@@ -14,6 +14,14 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one per generated token
+    deadline: float | None = None  # the caller's deadline (monotonic seconds), if it set one
+
+    @property
+    def deadline_missed(self) -> bool | None:
+        """Whether the request finished after its deadline (None: no deadline, or running)."""
+        if self.deadline is None or self.finished_time is None:
+            return None
+        return self.finished_time > self.deadline
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -53,6 +61,10 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None  # why a request was rejected after it was accepted (e.g. a queue timeout)
     delta_text: str = ""  # text added since the previous streamed output of this request
+    delta_token_ids: list[int] = field(default_factory=list)  # token ids added since then
+    # Why `error` happened, for callers that branch on it: "queue_timeout", "deadline_exceeded",
+    # "engine_error" or "runtime_closed".
+    error_code: str | None = None
 
     @property
     def finished(self) -> bool:
