@@ -5,7 +5,8 @@ Requests wait in one FIFO per priority level (0 is served first). A batch is rel
   - a preferred batch size can be formed (the largest one that fits), or
   - the oldest request has waited `max_queue_delay_ms` (then everything up to max_batch_size).
 A request whose own timeout passes while it waits is rejected with an error; a full queue
-rejects a new request at once. Both the vision scheduler and the LLM static batcher use this.
+rejects a new request at once. Both the vision scheduler and the LLM static batcher use this,
+each with the knobs of one `DynamicBatchConfig`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+from schedulers.config import DynamicBatchConfig
+
+
+def _positive_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
 
 
 class QueueFullError(RuntimeError):
@@ -29,21 +36,12 @@ class QueuedItem:
 
 
 class BatchQueue:
-    def __init__(
-        self,
-        max_batch_size: int,
-        preferred_batch_sizes: tuple[int, ...] = (),
-        max_queue_delay_ms: float = 0.0,
-        max_queue_size: int = 1024,
-        default_timeout_ms: float | None = None,
-        priority_levels: int = 1,
-    ) -> None:
-        self.max_batch_size = max_batch_size
-        self.preferred = tuple(sorted(preferred_batch_sizes, reverse=True))
-        self.delay = max_queue_delay_ms / 1000.0
-        self.max_queue_size = max_queue_size
-        self.default_timeout = None if default_timeout_ms is None else default_timeout_ms / 1000.0
-        self.levels: list[deque[QueuedItem]] = [deque() for _ in range(priority_levels)]
+    def __init__(self, config: DynamicBatchConfig) -> None:
+        self.config = config
+        self.preferred = tuple(sorted(config.preferred_batch_sizes, reverse=True))  # largest first
+        self.delay = config.max_queue_delay_ms / 1000.0
+        self.default_timeout = None if config.default_timeout_ms is None else config.default_timeout_ms / 1000.0
+        self.levels: list[deque[QueuedItem]] = [deque() for _ in range(config.priority_levels)]
         self._ids: dict[str, QueuedItem] = {}
 
     def __len__(self) -> int:
@@ -54,22 +52,25 @@ class BatchQueue:
 
     def put(
         self, request_id: str, payload: Any, now: float, priority: int = 0, timeout_ms: float | None = None
-    ) -> None:
+    ) -> QueuedItem:
+        """Queue one request; the returned item carries its deadline on the caller's clock."""
         if not isinstance(priority, int) or not 0 <= priority < len(self.levels):
             raise ValueError(f"priority must be an integer in [0, {len(self.levels) - 1}], got {priority!r}")
-        if timeout_ms is not None and not timeout_ms > 0:
+        if timeout_ms is not None and not _positive_number(timeout_ms):
             raise ValueError(f"timeout_ms must be > 0 or None, got {timeout_ms!r}")
         if request_id in self._ids:
             raise ValueError(f"request_id {request_id!r} is already queued")
-        if len(self._ids) >= self.max_queue_size:
+        limit = self.config.max_queue_size
+        if len(self._ids) >= limit:
             raise QueueFullError(
-                f"queue is full ({self.max_queue_size} requests wait, max_queue_size={self.max_queue_size}); "
+                f"queue is full ({limit} requests wait, max_queue_size={limit}); "
                 f"request {request_id!r} rejected, retry later"
             )
         timeout = self.default_timeout if timeout_ms is None else timeout_ms / 1000.0
         item = QueuedItem(request_id, payload, priority, now, None if timeout is None else now + timeout)
         self.levels[priority].append(item)
         self._ids[request_id] = item
+        return item
 
     def remove(self, request_id: str) -> QueuedItem | None:
         item = self._ids.pop(request_id, None)
@@ -99,8 +100,8 @@ class BatchQueue:
         n = len(self._ids)
         if n == 0:
             return 0
-        if n >= self.max_batch_size:
-            return self.max_batch_size
+        if n >= self.config.max_batch_size:
+            return self.config.max_batch_size
         for size in self.preferred:
             if n >= size:
                 return size

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 POLICIES = ("fcfs", "priority")
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -56,14 +60,19 @@ class DynamicBatchConfig:
         _positive_int("max_batch_size", self.max_batch_size)
         _positive_int("max_queue_size", self.max_queue_size)
         _positive_int("priority_levels", self.priority_levels)
-        self.preferred_batch_sizes = tuple(sorted(set(self.preferred_batch_sizes)))
-        for size in self.preferred_batch_sizes:
-            if not isinstance(size, int) or not 1 <= size <= self.max_batch_size:
+        sizes = self.preferred_batch_sizes
+        if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+            raise ValueError(f"preferred_batch_sizes must be a sequence of integers, got {sizes!r}")
+        sizes = tuple(sizes)
+        for size in sizes:
+            if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= self.max_batch_size:
                 raise ValueError(
                     f"preferred_batch_sizes must hold integers in [1, max_batch_size={self.max_batch_size}], "
                     f"got {size!r}"
                 )
-        if not self.max_queue_delay_ms >= 0:
-            raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms!r}")
-        if self.default_timeout_ms is not None and not self.default_timeout_ms > 0:
-            raise ValueError(f"default_timeout_ms must be > 0 or None, got {self.default_timeout_ms!r}")
+        self.preferred_batch_sizes = tuple(sorted(set(sizes)))
+        if not _number(self.max_queue_delay_ms) or not self.max_queue_delay_ms >= 0:
+            raise ValueError(f"max_queue_delay_ms must be a number >= 0, got {self.max_queue_delay_ms!r}")
+        timeout = self.default_timeout_ms
+        if timeout is not None and not (_number(timeout) and timeout > 0):
+            raise ValueError(f"default_timeout_ms must be a number > 0 or None, got {timeout!r}")

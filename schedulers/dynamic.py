@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schedulers.batch_queue import BatchQueue
+from schedulers.batch_queue import BatchQueue, QueuedItem
 from schedulers.config import DynamicBatchConfig
 from schedulers.plan import Batch
 
@@ -16,23 +16,21 @@ from schedulers.plan import Batch
 class DynamicBatchScheduler:
     def __init__(self, config: DynamicBatchConfig | None = None) -> None:
         self.config = config or DynamicBatchConfig()
-        c = self.config
-        self.queue = BatchQueue(
-            c.max_batch_size, c.preferred_batch_sizes, c.max_queue_delay_ms, c.max_queue_size,
-            c.default_timeout_ms, c.priority_levels,
-        )  # fmt: skip
+        self.queue = BatchQueue(self.config)
         self.in_flight: set[str] = set()
         self.batch_sizes: list[int] = []  # every released batch's size, for reports
 
     def add_request(
         self, request_id: str, payload: Any, now: float, priority: int = 0, timeout_ms: float | None = None
-    ) -> None:
-        """Queue one input; raises QueueFullError when the queue is full, ValueError on bad fields."""
+    ) -> QueuedItem:
+        """Queue one input; raises QueueFullError when the queue is full, ValueError on bad fields.
+        The returned item carries the request's queue deadline (None: no timeout)."""
         if request_id in self.in_flight:
             raise ValueError(f"request_id {request_id!r} is already running")
-        self.queue.put(request_id, payload, now, priority, timeout_ms)
+        return self.queue.put(request_id, payload, now, priority, timeout_ms)
 
     def abort(self, request_id: str) -> bool:
+        """Drop a request that still waits in the queue; False once its batch has formed."""
         return self.queue.remove(request_id) is not None
 
     def has_unfinished(self) -> bool:

@@ -28,10 +28,7 @@ class StaticBatchScheduler(ContinuousBatchScheduler):
                 f"max_batch_size ({b.max_batch_size}) must be <= max_num_seqs ({config.max_num_seqs})"
             )
         self.batching = b
-        self.queue = BatchQueue(
-            b.max_batch_size, b.preferred_batch_sizes, b.max_queue_delay_ms, b.max_queue_size,
-            b.default_timeout_ms, b.priority_levels,
-        )  # fmt: skip
+        self.queue = BatchQueue(b)
         self.group_sizes: list[int] = []
 
     def add_request(self, request: Request, timeout_ms: float | None = None) -> None:

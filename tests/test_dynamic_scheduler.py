@@ -98,13 +98,41 @@ def test_update_finishes_the_whole_batch_and_abort_drops_a_queued_request():
         s.update(b, ["only one"])
 
 
-def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match="max_batch_size"):
-        DynamicBatchConfig(max_batch_size=0)
-    with pytest.raises(ValueError, match="preferred_batch_sizes"):
-        DynamicBatchConfig(max_batch_size=4, preferred_batch_sizes=(8,))
-    with pytest.raises(ValueError, match="max_queue_delay_ms"):
-        DynamicBatchConfig(max_queue_delay_ms=-1)
+def test_abort_drops_only_queued_requests_and_add_request_reports_the_deadline():
+    s = dyn(max_batch_size=1, max_queue_delay_ms=0, default_timeout_ms=50)
+    assert s.add_request("a", None, now=1.0).deadline == pytest.approx(1.05)
+    assert s.add_request("b", None, now=1.0, timeout_ms=200).deadline == pytest.approx(1.2)
+    b = s.schedule(1.0)
+    assert b.request_ids == ["a"] and not s.abort("a")  # formed: running, no longer abortable
+    assert s.abort("b") and len(s.queue) == 0 and s.schedule(1.0).size == 0
+
+
+def test_the_queue_takes_its_knobs_from_one_config():
+    config = DynamicBatchConfig(max_batch_size=4, preferred_batch_sizes=(2,), max_queue_delay_ms=10, max_queue_size=3)
+    s = DynamicBatchScheduler(config)
+    assert s.queue.config is config
+    for i in range(3):
+        s.add_request(f"i{i}", None, now=0.0)
+    with pytest.raises(QueueFullError, match="max_queue_size=3"):
+        s.add_request("x", None, now=0.0)
+    assert s.schedule(0.0).size == 2  # the preferred size, before the delay
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"max_batch_size": 0}, "max_batch_size must be an integer >= 1, got 0"),
+    ({"max_batch_size": True}, "max_batch_size must be an integer >= 1, got True"),
+    ({"max_batch_size": 4, "preferred_batch_sizes": (8,)}, r"preferred_batch_sizes .*\[1, max_batch_size=4\]"),
+    ({"preferred_batch_sizes": 4}, "preferred_batch_sizes must be a sequence of integers, got 4"),
+    ({"preferred_batch_sizes": (2.0,)}, "preferred_batch_sizes must hold integers"),
+    ({"max_queue_delay_ms": -1}, "max_queue_delay_ms must be a number >= 0, got -1"),
+    ({"max_queue_delay_ms": "5"}, "max_queue_delay_ms must be a number >= 0, got '5'"),
+    ({"default_timeout_ms": 0}, "default_timeout_ms must be a number > 0 or None, got 0"),
+    ({"max_queue_size": 0}, "max_queue_size must be an integer >= 1"),
+    ({"priority_levels": 0}, "priority_levels must be an integer >= 1"),
+])
+def test_config_errors_name_the_field_and_range(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DynamicBatchConfig(**fields)
 
 
 def static(slots, num_blocks=64, block_size=4, **batching):

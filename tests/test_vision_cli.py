@@ -54,6 +54,22 @@ def test_directory_with_video_and_a_broken_file(capsys, folder, tmp_path_factory
     assert cv2.imread(str(save / "bus.jpg")).shape == cv2.imread(str(folder / "bus.jpg")).shape
 
 
+def test_batching_flags_reach_the_engine(capsys, folder, monkeypatch):
+    from runtime.vision import engine as engine_module
+
+    seen = []
+
+    class Spy(engine_module.VisionEngine):
+        def __init__(self, config, *args, **kwargs):
+            seen.append(config.batching)
+            super().__init__(config, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "VisionEngine", Spy)
+    code, lines, _ = _run(capsys, str(folder / "bus.jpg"), "--max-batch-size", "3", "--max-queue-delay-ms", "7.5")
+    assert code == 0 and len(lines) == 1
+    assert (seen[0].max_batch_size, seen[0].max_queue_delay_ms, seen[0].priority_levels) == (3, 7.5, 2)
+
+
 def test_glob_txt_list_and_single_image(capsys, folder):
     (folder / "list.txt").write_text("bus.jpg\nmissing.jpg\n")
     code, lines, _ = _run(capsys, str(folder / "list.txt"))
@@ -77,7 +93,9 @@ def test_streams_with_a_dead_one_and_max_frames(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["/no/such/dir"], "source not found"), (["bus.jpg", "--imgsz", "100"], "multiple of 32"),
-])  # fmt: skip
+    (["bus.jpg", "--max-batch-size", "0"], "max_batch_size must be an integer >= 1"),
+    (["bus.jpg", "--max-queue-delay-ms", "-1"], "max_queue_delay_ms must be a number >= 0"),
+])
 def test_bad_arguments_exit_2_with_a_clear_error(capsys, argv, message):
     parser = argparse.ArgumentParser()
     add_detect_arguments(parser)

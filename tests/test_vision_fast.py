@@ -9,6 +9,7 @@ test_vision_parity.py; this file checks the graph against eager directly.
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 
 import cv2
@@ -24,7 +25,7 @@ from ultralytics.utils import ASSETS  # noqa: E402
 from conftest import VISION_IMGSZ, calibrated_yolo  # noqa: E402
 
 from runtime.vision import jit  # noqa: E402
-from runtime.vision.config import VisionConfig  # noqa: E402
+from runtime.vision.config import VisionConfig, vision_batching  # noqa: E402
 from runtime.vision.engine import VisionEngine  # noqa: E402
 from runtime.vision.model import LoadedModel  # noqa: E402
 from runtime.vision.preprocess import to_tensor  # noqa: E402
@@ -120,15 +121,37 @@ def test_seeded_builds_share_one_graph():
 
 
 def test_workers_give_the_runners_results(net, runner, images):
-    config = VisionConfig(imgsz=IMGSZ, conf=0.05, workers=2, num_threads=1, profile=False, max_batch_size=2,
-                          max_queue_delay_ms=0.0)  # fmt: skip
+    """Two workers run batches side by side, on two threads, and give the runner's results.
+
+    The first two batches meet at a barrier inside `infer`: it opens only when two threads run
+    a batch at once, so one worker, or two that take turns, leave it broken."""
+    batching = vision_batching(max_batch_size=2, max_queue_delay_ms=0.0)
+    config = VisionConfig(imgsz=IMGSZ, conf=0.05, workers=2, num_threads=1, profile=False, batching=batching)
     threads = torch.get_num_threads()
+    side_by_side = threading.Barrier(2)
+    ran_on: list[str] = []  # the thread of every batch, in the order they started
+    lock = threading.Lock()
     with VisionEngine(config, module=net) as engine:
         assert engine.stats()["workers"] == 2 and engine.threads == 1
         assert torch.get_num_threads() == threads  # num_threads is the workers', not the caller's
+        infer = engine.runner.infer
+
+        def infer_meeting_at_the_barrier(prepared):
+            with lock:
+                ran_on.append(threading.current_thread().name)
+                first_two = len(ran_on) <= 2
+            if first_two:
+                try:
+                    side_by_side.wait(timeout=10)  # a safety limit: two workers meet in milliseconds
+                except threading.BrokenBarrierError:
+                    pass  # ran alone; asserted below, after the results
+            return infer(prepared)
+
+        engine.runner.infer = infer_meeting_at_the_barrier
         futures = [engine.submit(im) for im in images * 2]
         results = [f.result(timeout=60) for f in futures]
-    assert len(engine.scheduler.batch_sizes) >= 2  # the batches ran on both workers
+    assert not side_by_side.broken, f"the first two batches did not run at once (threads: {ran_on})"
+    assert len(set(ran_on[:2])) == 2 and set(ran_on) <= {t.name for t in engine._inferers}
     for image, got in zip(images * 2, results):
         (want,) = runner(True).predict([image])
         assert len(got) == len(want) > 0

@@ -14,7 +14,8 @@ from runtime.lazy import lazy_getattr
 _LAZY = {
     "VisionConfig": "runtime.vision.config",
     "VisionEngine": "runtime.vision.engine",
-    "VisionInputError": "runtime.vision.engine",
+    "vision_batching": "runtime.vision.config",
+    "VisionInputError": "runtime.vision.batch",
     "EngineClosedError": "runtime.vision.engine",
     "YoloRunner": "runtime.vision.runner",
     "Detections": "runtime.vision.postprocess",

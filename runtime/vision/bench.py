@@ -243,7 +243,7 @@ def _plot(results: dict, path: str) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     import cv2
 
-    from runtime.vision.config import VisionConfig
+    from runtime.vision.config import VisionConfig, vision_batching
     from runtime.vision.engine import VisionEngine
 
     n_images = 14 if args.quick else args.num_images
@@ -258,8 +258,8 @@ def run_bench(args: argparse.Namespace) -> int:
     ul_batches = [1, args.max_batch_size] if args.quick else sorted({1, 4, args.max_batch_size})
     ul = _ultralytics(args.model, folder, args.imgsz, args.device, ul_batches)
     log(f"ultralytics images/s by batch and threads: { {k: round(v, 2) for k, v in ul.items()} }")
-    base = dict(model=args.model, imgsz=args.imgsz, device=args.device, max_batch_size=args.max_batch_size,
-                dtype=args.dtype)  # fmt: skip
+    batching = vision_batching(max_batch_size=args.max_batch_size)
+    base = dict(model=args.model, imgsz=args.imgsz, device=args.device, dtype=args.dtype, batching=batching)
     results: dict = {"model": args.model, "imgsz": args.imgsz, "device": args.device, "images": len(paths)}
     engine = VisionEngine(VisionConfig(**base))
     try:
@@ -277,7 +277,7 @@ def run_bench(args: argparse.Namespace) -> int:
         results["description"] = engine.runner.description
     finally:
         engine.close()
-    single = VisionEngine(VisionConfig(**{**base, "max_batch_size": 1}, profile=False))
+    single = VisionEngine(VisionConfig(**{**base, "batching": vision_batching(max_batch_size=1)}, profile=False))
     try:
         for frac in (0.5, 0.9):
             latency[f"batch1 {int(frac * 100)}%"] = _poisson_latency(single, images, frac * ours, n_requests)

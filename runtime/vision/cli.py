@@ -51,13 +51,15 @@ def _line(frame, det=None, error: str | None = None) -> str:
 
 
 def run_detect(args: argparse.Namespace) -> int:
-    from runtime.vision.config import VisionConfig
+    from runtime.vision.config import VisionConfig, vision_batching
     from sources import SourceError, StreamConfig, load_source
 
     try:
-        config = VisionConfig(model=args.model, imgsz=args.imgsz, conf=args.conf, iou=args.iou,
-                              device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                              max_queue_delay_ms=args.max_queue_delay_ms, profile=not args.no_profile)  # fmt: skip
+        batching = vision_batching(max_batch_size=args.max_batch_size, max_queue_delay_ms=args.max_queue_delay_ms)
+        config = VisionConfig(
+            model=args.model, imgsz=args.imgsz, conf=args.conf, iou=args.iou, device=args.device,
+            dtype=args.dtype, batching=batching, profile=not args.no_profile,
+        )
         if args.max_frames is not None and args.max_frames < 1:
             raise ValueError(f"--max-frames must be >= 1, got {args.max_frames}")
         source = load_source(args.source, vid_stride=args.vid_stride, stream_config=StreamConfig(buffer=args.stream_buffer))
@@ -91,7 +93,7 @@ def _detect(args: argparse.Namespace, config, source) -> int:
     bar = tqdm(total=source.total, unit="frame", file=sys.stderr, disable=not finite)
     writer = AnnotatedWriter(args.save) if args.save else None
     window: deque[tuple[object, Future | None]] = deque()
-    limit = 4 * config.max_batch_size  # frames in flight: enough to fill batches, bounded memory
+    limit = 4 * config.batching.max_batch_size  # frames in flight: enough to fill batches, bounded memory
     emitted = ok = 0
 
     def emit_oldest() -> None:

@@ -1,17 +1,34 @@
 """VisionConfig: the YOLO runner's and the vision engine's knobs, validated without I/O.
 
-Names follow Ultralytics' predict arguments (imgsz, conf, iou, max_det, vid_stride) and
-NVIDIA Triton's dynamic batcher (max_batch_size, preferred_batch_sizes, max_queue_delay_ms),
-so users find what they know.
+Names follow Ultralytics' predict arguments (imgsz, conf, iou, max_det, vid_stride); the
+request batching is one embedded `schedulers.DynamicBatchConfig` (NVIDIA Triton's names:
+max_batch_size, preferred_batch_sizes, max_queue_delay_ms), validated there, once.
+
+    VisionConfig(imgsz=320, batching=vision_batching(max_batch_size=4))
+    VisionConfig.from_dict({"model": "yolo26n.yaml", "batching": {"max_batch_size": 4}})
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from schedulers.config import DynamicBatchConfig
 
 MAX_CPU_WORKERS = 8  # each holds a batch of activations: bounds memory on many-core hosts (workers then get more threads)
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+# Where vision differs from the scheduler's defaults: a queued payload may be a decoded frame
+# (a 1080p BGR frame is ~6 MB), so the queue is bounded tighter, and two priority levels let
+# live streams (0) go before bulk jobs (1).
+VISION_BATCHING = {"max_queue_size": 256, "priority_levels": 2}
+
+
+def vision_batching(**overrides: Any) -> DynamicBatchConfig:
+    """A DynamicBatchConfig with the vision defaults, `overrides` replacing them."""
+    return DynamicBatchConfig(**{**VISION_BATCHING, **overrides})
 
 
 def _check_int(name: str, value: object, low: int) -> None:
@@ -42,13 +59,8 @@ class VisionConfig:
     workers: int | None = None
     num_threads: int | None = None  # torch intra-op threads (per engine worker); None: see workers
     seed: int = 0  # the random weights of a .yaml build, so runs are reproducible
-    # Dynamic batching (schedulers.DynamicBatchConfig)
-    max_batch_size: int = 8
-    preferred_batch_sizes: tuple[int, ...] = ()  # (): use the size that profiling finds fastest
-    max_queue_delay_ms: float = 5.0
-    max_queue_size: int = 256
-    default_timeout_ms: float | None = None
-    priority_levels: int = 2
+    # Request batching; preferred_batch_sizes (): use the size that profiling finds fastest.
+    batching: DynamicBatchConfig = field(default_factory=vision_batching)
     profile: bool = True  # time each batch size at start-up to choose the preferred one
     profile_iters: int = 2
 
@@ -79,17 +91,34 @@ class VisionConfig:
             _check_int("num_threads", self.num_threads, 1)
         if self.workers is not None:
             _check_int("workers", self.workers, 1)
-        _check_int("max_batch_size", self.max_batch_size, 1)
-        self.preferred_batch_sizes = tuple(sorted(set(self.preferred_batch_sizes)))
-        for size in self.preferred_batch_sizes:
-            if not isinstance(size, int) or not 1 <= size <= self.max_batch_size:
-                raise ValueError(
-                    f"preferred_batch_sizes must hold integers in [1, max_batch_size={self.max_batch_size}], got {size!r}"
-                )
-        if isinstance(self.max_queue_delay_ms, bool) or not self.max_queue_delay_ms >= 0:
-            raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms!r}")
-        _check_int("max_queue_size", self.max_queue_size, 1)
-        if self.default_timeout_ms is not None and not self.default_timeout_ms > 0:
-            raise ValueError(f"default_timeout_ms must be > 0 or None, got {self.default_timeout_ms!r}")
-        _check_int("priority_levels", self.priority_levels, 1)
+        if not isinstance(self.batching, DynamicBatchConfig):
+            raise ValueError(
+                f"batching must be a schedulers.DynamicBatchConfig (VisionConfig.from_dict takes a dict), "
+                f"got {type(self.batching).__name__}"
+            )
         _check_int("profile_iters", self.profile_iters, 1)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "VisionConfig":
+        """A config from plain fields, `batching` as a nested dict (over the vision defaults);
+        unknown keys are named in the ValueError, nested ones as "batching.<key>"."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a VisionConfig is built from a dict of fields, got {type(d).__name__}")
+        d = dict(d)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            moved = sorted(set(unknown) & {f.name for f in fields(DynamicBatchConfig)})
+            hint = f" (batching fields go under 'batching': {', '.join(moved)})" if moved else ""
+            raise ValueError(f"unknown VisionConfig field(s) {', '.join(map(repr, unknown))}{hint}")
+        batching = d.get("batching")
+        if isinstance(batching, dict):
+            allowed = {f.name for f in fields(DynamicBatchConfig)}
+            unknown = sorted(set(batching) - allowed)
+            if unknown:
+                raise ValueError(f"unknown batching field(s) {', '.join(repr(f'batching.{k}') for k in unknown)}")
+            try:
+                d["batching"] = vision_batching(**batching)
+            except ValueError as exc:
+                raise ValueError(f"batching.{exc}") from None
+        return cls(**d)

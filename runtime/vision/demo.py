@@ -24,10 +24,11 @@ def _video(path: str, frames: int = 6) -> None:
 
 
 def demo_config():
-    from runtime.vision.config import VisionConfig
+    from runtime.vision.config import VisionConfig, vision_batching
 
     # Random weights score ~1e-4 everywhere, so a tiny threshold shows the plumbing works.
-    return VisionConfig(imgsz=IMGSZ, conf=0.0001, max_batch_size=4, max_queue_delay_ms=10.0, profile_iters=1)
+    batching = vision_batching(max_batch_size=4, max_queue_delay_ms=10.0)
+    return VisionConfig(imgsz=IMGSZ, conf=0.0001, batching=batching, profile_iters=1)
 
 
 def run_vision_demo(engine=None) -> None:

@@ -23,64 +23,40 @@ spinning (~700 wake-ups per forward). Forward passes at batch 1: one 2-thread wo
 14 images/s, two 1-thread workers, which use no pool at all, at 38.
 
 Every accepted request's future resolves: with Detections, or with the error of its own bad
-input, its queue timeout, a failed forward, or the engine closing without draining.
+input, its queue timeout, a failed forward, or the engine closing without draining. Failures
+stay with their request: no batch, bad input or cancelled future stops a thread (the batch
+itself runs through runtime/vision/batch.py, which the Runtime's inline path shares). A future
+cancelled while its request waits takes the request out of the queue; once its batch forms
+the future is running and can no longer be cancelled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from runtime.memory import DeviceMemoryManager
 from runtime.threads import settle_native_pools
+from runtime.vision.batch import ReadyBatch, VisionInputError, VisionJob, decode, infer_batch, prepare_batch, resolve
 from runtime.vision.config import VisionConfig
 from runtime.vision.runner import YoloRunner
 from schedulers import Batch, DynamicBatchConfig, DynamicBatchScheduler
-from sources.base import Frame
-from sources.media import read_image, to_bgr
+
+__all__ = ["EngineClosedError", "VisionEngine", "VisionInputError", "decode", "profiled_batching"]
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
-class VisionInputError(ValueError):
-    """This input cannot be run (unreadable file, wrong array shape or type)."""
-
-
 class EngineClosedError(RuntimeError):
     """The engine closed before this request ran (close(drain=False))."""
-
-
-@dataclass(slots=True)
-class _Job:
-    future: Future
-    submitted: float
-
-
-def decode(item: Any) -> np.ndarray:
-    """Any accepted input as a BGR uint8 array; VisionInputError says what is wrong."""
-    if isinstance(item, Frame):
-        if item.error is not None or item.image is None:
-            raise VisionInputError(item.error or f"frame {item.index} of {item.source} has no image")
-        item = item.image
-    if isinstance(item, (str, os.PathLike)):
-        image, error = read_image(os.fspath(item))
-        if error:
-            raise VisionInputError(error)
-        return image
-    try:
-        return to_bgr(item, "input")
-    except ValueError as exc:
-        raise VisionInputError(str(exc)) from None
 
 
 def _in_thread(fn, threads: int | None):
@@ -104,6 +80,21 @@ def _in_thread(fn, threads: int | None):
     return out["value"]
 
 
+def profiled_batching(
+    runner: YoloRunner, config: VisionConfig, threads: int | None
+) -> tuple[DynamicBatchConfig, dict[int, float]]:
+    """config.batching, with the size profiling finds fastest as the preferred batch size when
+    none is configured (and config.profile); and the measured images/s by batch size."""
+    batching = config.batching
+    if batching.preferred_batch_sizes or not config.profile:
+        return batching, {}
+    top = batching.max_batch_size
+    sizes = sorted({b for b in PROFILE_SIZES if b <= top} | {top})
+    # One worker's rates, measured the way a worker runs (its own thread and thread count).
+    rates = _in_thread(lambda: runner.profile(sizes), threads)
+    return dataclasses.replace(batching, preferred_batch_sizes=(runner.best_batch_size(rates),)), rates
+
+
 class VisionEngine:
     def __init__(self, config: VisionConfig | None = None, module: nn.Module | None = None,
                  memory: DeviceMemoryManager | None = None) -> None:  # fmt: skip
@@ -113,24 +104,18 @@ class VisionEngine:
         # Built (model load, trace, check) on a helper thread with a worker's thread count, so
         # that the caller's torch thread setting stays its own (the runner applies num_threads).
         self.runner = _in_thread(lambda: YoloRunner(c, module, memory, workers=self.workers), self.threads)
-        self.profile_rates: dict[int, float] = {}
-        preferred = c.preferred_batch_sizes
-        if not preferred and c.profile:
-            sizes = sorted({b for b in PROFILE_SIZES if b <= c.max_batch_size} | {c.max_batch_size})
-            # One worker's rates, measured the way a worker runs (its own thread and thread count).
-            self.profile_rates = _in_thread(lambda: self.runner.profile(sizes), self.threads)
-            preferred = (self.runner.best_batch_size(self.profile_rates),)
-        self.preferred_batch_sizes = tuple(preferred)
-        self.scheduler = DynamicBatchScheduler(DynamicBatchConfig(
-            c.max_batch_size, self.preferred_batch_sizes, c.max_queue_delay_ms, c.max_queue_size,
-            c.default_timeout_ms, c.priority_levels,
-        ))  # fmt: skip
+        try:
+            batching, self.profile_rates = profiled_batching(self.runner, c, self.threads)
+        except BaseException:
+            self.runner.release_memory()
+            raise
+        self.scheduler = DynamicBatchScheduler(batching)
         self._cond = threading.Condition()
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, VisionJob] = {}
         self._ids = itertools.count()
         self._closed = False
         self._drain = True
-        self._slot: queue.Queue = queue.Queue(maxsize=1)
+        self._slot: queue.Queue[ReadyBatch | None] = queue.Queue(maxsize=1)
         # The batcher forms the next batch only once the inference thread has taken the last
         # one: batches are formed as late as possible (as large as the queue allows) and are
         # prepared while the previous one runs, never two ahead.
@@ -146,12 +131,18 @@ class VisionEngine:
     def names(self) -> dict[int, str]:
         return self.runner.names
 
+    @property
+    def preferred_batch_sizes(self) -> tuple[int, ...]:
+        """The sizes the scheduler prefers: configured, or the one profiling found fastest."""
+        return self.scheduler.config.preferred_batch_sizes
+
     def submit(self, item: Any, priority: int = 0, timeout_ms: float | None = None) -> Future:
         """Queue one image (array, PIL image, path or Frame); the future gets its Detections.
 
         Raises QueueFullError when max_queue_size requests wait (retry later), ValueError
         for a bad priority or timeout, RuntimeError after close(). A bad *input* is not
         raised here: it is decoded on the batcher thread and fails only its own future.
+        Cancelling the future while the request still waits takes it out of the queue.
         """
         future: Future = Future()
         with self._cond:
@@ -159,23 +150,35 @@ class VisionEngine:
                 raise RuntimeError("the vision engine is closed")
             request_id = f"img-{next(self._ids)}"
             now = time.monotonic()
-            self.scheduler.add_request(request_id, item, now, priority, timeout_ms)
-            self._jobs[request_id] = _Job(future, now)
+            queued = self.scheduler.add_request(request_id, item, now, priority, timeout_ms)
+            self._jobs[request_id] = VisionJob(future, now, queued.deadline)
+            future.add_done_callback(lambda f, rid=request_id: self._on_done(rid, f))
             self._cond.notify_all()
         return future
 
+    def _on_done(self, request_id: str, future: Future) -> None:
+        # A cancel succeeds only while the request waits (its batch marks it running), so
+        # taking it out of the queue here is all there is to do.
+        if not future.cancelled():
+            return
+        with self._cond:
+            if self.scheduler.abort(request_id):
+                self._jobs.pop(request_id, None)
+                self._cond.notify_all()
+
     # -- batcher thread --
-    def _next_batch(self) -> tuple[Batch | None, list[tuple[Future, BaseException]]]:
-        """Wait for a due batch; (None, ...) once closed and (if draining) empty."""
+    def _next_batch(self) -> tuple[Batch | None, dict[str, VisionJob], list[tuple[VisionJob, str]], float]:
+        """Wait for a due batch: (batch, its jobs, timed-out jobs, when it formed); batch is
+        None once closed and (if draining) empty."""
         with self._cond:
             while True:
                 now = time.monotonic()
                 plan = self.scheduler.schedule(now)
-                failed = [(self._jobs.pop(rid).future, TimeoutError(msg)) for rid, msg in plan.rejected.items()]
-                if plan.size or failed:
-                    return plan, failed
+                expired = [(self._jobs.pop(rid), msg) for rid, msg in plan.rejected.items()]
+                if plan.size or expired:
+                    return plan, {rid: self._jobs[rid] for rid in plan.request_ids}, expired, now
                 if self._closed and (not self._drain or len(self.scheduler.queue) == 0):
-                    return None, []
+                    return None, {}, [], now
                 self._cond.wait(self.scheduler.next_due(now))
 
     def _batch_loop(self) -> None:
@@ -183,66 +186,34 @@ class VisionEngine:
         try:
             while True:
                 self._slot_free.acquire()
-                plan, failed = self._next_batch()
-                for future, exc in failed:
-                    future.set_exception(exc)
+                plan, jobs, expired, formed = self._next_batch()
+                for job, msg in expired:
+                    resolve(job.future, error=TimeoutError(msg))
                 if plan is None:
                     return
-                if plan.size:
-                    self._prepare(plan)
+                if plan.size:  # prepare_batch fails its own batch's futures, never the loop
+                    self._slot.put(prepare_batch(self.runner, plan, jobs, formed))
                 else:
                     self._slot_free.release()
         finally:
             for _ in self._inferers:
                 self._slot.put(None)  # tells each inference worker no more batches come
 
-    def _prepare(self, plan: Batch) -> None:
-        t0 = time.perf_counter()
-        images, ok, bad = [], [], []
-        for rid, payload in zip(plan.request_ids, plan.payloads):
-            try:
-                images.append(decode(payload))
-                ok.append(rid)
-            except VisionInputError as exc:
-                bad.append((rid, exc))
-        decode_ms = (time.perf_counter() - t0) * 1000
-        try:
-            prepared = self.runner.prepare(images) if images else None
-        except Exception as exc:  # noqa: BLE001 - one batch's failure must not stop the loop
-            bad.extend((rid, RuntimeError(f"preprocessing failed: {exc}")) for rid in ok)
-            ok, prepared = [], None
-        with self._cond:
-            jobs = {rid: self._jobs[rid] for rid in plan.request_ids}
-        for rid, exc in bad:
-            jobs[rid].future.set_exception(exc)
-        self._slot.put((plan, ok, prepared, decode_ms, jobs, time.monotonic()))
-
-    # -- inference thread --
+    # -- inference threads --
     def _infer_loop(self) -> None:
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # per thread (OpenMP's setting is the calling thread's)
-        while (item := self._slot.get()) is not None:
-            plan, ok, prepared, decode_ms, jobs, started = item
+        while (ready := self._slot.get()) is not None:
             self._slot_free.release()
-            results: dict[str, Any] = {}
-            if prepared is not None:
-                try:
-                    dets = self.runner.infer(prepared)
-                except Exception as exc:  # noqa: BLE001
-                    for rid in ok:
-                        jobs[rid].future.set_exception(RuntimeError(f"inference failed: {exc}"))
-                else:
-                    for rid, d in zip(ok, dets):
-                        d.timings["preprocess"] += decode_ms / plan.size
-                        d.timings["queue"] = max(0.0, (started - jobs[rid].submitted) * 1000)
-                        results[rid] = d
-            with self._cond:
-                self.scheduler.update(plan, [results.get(rid) for rid in plan.request_ids])
-                for rid in plan.request_ids:
-                    self._jobs.pop(rid, None)
-                self._cond.notify_all()
-            for rid, d in results.items():
-                jobs[rid].future.set_result(d)
+            results: list = [None] * ready.batch.size
+            try:
+                results = infer_batch(self.runner, ready)  # resolves the batch's futures, never raises
+            finally:
+                with self._cond:
+                    self.scheduler.update(ready.batch, results)
+                    for rid in ready.batch.request_ids:
+                        self._jobs.pop(rid, None)
+                    self._cond.notify_all()
 
     # -- lifecycle --
     def close(self, drain: bool = True, timeout: float | None = 60.0) -> None:
@@ -254,12 +225,10 @@ class VisionEngine:
                 return
             self._closed, self._drain = True, drain
             if not drain:
-                for rid in [r for r in self._jobs if r not in self.scheduler.in_flight]:
-                    if self.scheduler.abort(rid):
-                        dropped.append(self._jobs.pop(rid).future)
+                dropped = [self._jobs.pop(rid) for rid in list(self._jobs) if self.scheduler.abort(rid)]
             self._cond.notify_all()
-        for future in dropped:
-            future.set_exception(EngineClosedError("the vision engine closed before this request ran"))
+        for job in dropped:
+            resolve(job.future, error=EngineClosedError("the vision engine closed before this request ran"))
         self._batcher.join(timeout)
         for t in self._inferers:
             t.join(timeout)
@@ -271,6 +240,7 @@ class VisionEngine:
             "model": self.runner.description,
             "preferred_batch_sizes": list(self.preferred_batch_sizes),
             "workers": self.workers,
+            "workers_alive": sum(t.is_alive() for t in self._inferers),
             "threads_per_worker": self.threads,
             "profile_images_per_s": {k: round(v, 2) for k, v in self.profile_rates.items()},
             "batches": len(sizes),

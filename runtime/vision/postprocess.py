@@ -31,6 +31,7 @@ class Detections:
     orig_shape: tuple[int, int]  # h, w
     batch_size: int = 1  # how many inputs shared the forward pass
     timings: dict[str, float] = field(default_factory=dict)  # preprocess/inference/postprocess/queue ms
+    deadline_missed: bool = False  # it had a deadline and finished after it
 
     def __len__(self) -> int:
         return len(self.conf)

@@ -4,6 +4,10 @@ Work is split into `prepare` (letterbox into staging buffers, to a float tensor)
 (forward and postprocess) so the engine can prepare the next batch on one thread while the
 current one runs on another. The runner keeps no per-call state on itself: everything a
 call needs travels in the `Prepared` it returns, which is what makes that overlap safe.
+
+Given a DeviceMemoryManager, a runner claims one instance name (`memory_owner`: "vision", a
+second runner on the device "vision#2") and reserves its weights, batch buffers and activation
+peak under it; `release_memory` gives all of them back at once.
 """
 
 from __future__ import annotations
@@ -20,10 +24,6 @@ from runtime.vision.config import VisionConfig
 from runtime.vision.model import load_model
 from runtime.vision.postprocess import Detections, detections, filter_end2end, nms, to_original
 from runtime.vision.preprocess import BatchBuffers, Letterbox, letterbox_into, plan_letterbox, to_tensor
-
-BUFFERS_OWNER = "vision.batch_buffers"
-ACTIVATIONS_OWNER = "vision.activations"
-WEIGHTS_OWNER = "vision.weights"
 
 
 @dataclass(slots=True)
@@ -49,9 +49,15 @@ class YoloRunner:
         self.model = load_model(self.config, module)
         self.names = self.model.names
         self._buffers = BatchBuffers()
-        self.memory = memory
+        self.memory = memory  # None once released
+        self.memory_owner: str | None = None  # this runner's instance name ("vision", "vision#2", ...)
         if memory is not None:
-            self.reserve_memory(memory)
+            self.memory_owner = memory.claim("vision")
+            try:
+                self._reserve_memory(memory, self.memory_owner)
+            except BaseException:
+                self.release_memory()  # a reservation that does not fit leaves nothing behind
+                raise
 
     @property
     def description(self) -> str:
@@ -173,23 +179,26 @@ class YoloRunner:
         kept = sum(o for k, _, o in sizes if k in saved)
         return int((max(i + o for _, i, o in sizes) + kept) * batch_size)
 
-    def reserve_memory(self, memory: DeviceMemoryManager) -> dict[str, int]:
+    def _reserve_memory(self, memory: DeviceMemoryManager, owner: str) -> dict[str, int]:
         """Reserve weights, staging + input buffers for workers + 1 batches (one being prepared
-        while each worker runs one) and an activation peak at max_batch_size per worker;
-        MemoryError if they do not fit."""
+        while each worker runs one) and an activation peak at max_batch_size per worker, under
+        `owner`; MemoryError if they do not fit."""
         c = self.config
+        top = c.batching.max_batch_size
         elem = torch.tensor([], dtype=self.model.dtype).element_size()
         per_image = c.imgsz * c.imgsz * 3 * (1 + 4 + (elem if elem != 4 else 0))  # uint8 staging, float32, cast
         amounts = {
-            WEIGHTS_OWNER: sum(p.numel() * p.element_size() for p in self.model.module.parameters()),
-            BUFFERS_OWNER: (self.workers + 1) * c.max_batch_size * per_image,
-            ACTIVATIONS_OWNER: self.workers * self.activation_bytes(c.max_batch_size),
+            f"{owner}.weights": sum(p.numel() * p.element_size() for p in self.model.module.parameters()),
+            f"{owner}.batch_buffers": (self.workers + 1) * top * per_image,
+            f"{owner}.activations": self.workers * self.activation_bytes(top),
         }
-        for owner, n in amounts.items():
-            memory.reserve(owner, n)
+        for name, n in amounts.items():
+            memory.reserve(name, n)
         return amounts
 
     def release_memory(self) -> None:
-        if self.memory is not None:
-            for owner in (WEIGHTS_OWNER, BUFFERS_OWNER, ACTIVATIONS_OWNER):
-                self.memory.release(owner)
+        """Give back everything reserved under this runner's owner name; a second call does nothing
+        (the name may belong to another engine by then)."""
+        memory, self.memory = self.memory, None
+        if memory is not None and self.memory_owner is not None:
+            memory.release(self.memory_owner)
