@@ -14,6 +14,11 @@ _LAZY = {
     "RequestOutput": "runtime.llm.outputs",
     "DeviceMemoryManager": "runtime.memory",
     "MemoryConfig": "runtime.memory",
+    "Runtime": "runtime.runtime",
+    "GenerationHandle": "runtime.handles",
+    "RequestError": "runtime.handles",
+    "DeadlineExceededError": "runtime.handles",
+    "RuntimeClosedError": "runtime.handles",
 }
 
 __all__ = list(_LAZY)

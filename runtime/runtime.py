@@ -1,0 +1,352 @@
+"""Runtime: one per device. Both engines under one loop thread and one memory budget.
+
+    with Runtime(llm={"dtype": "bfloat16"}, vision={"model": "yolo26n.yaml"}) as rt:
+        handle = rt.submit_generate("Hello", SamplingParams(max_tokens=32))   # any thread
+        future = rt.submit_detect(frame, deadline_s=0.1)                      # any thread
+        print(handle.result().text, future.result().boxes)
+
+One loop thread owns the device. At each turn it asks the arbiter (schedulers/arbiter.py)
+whether the next LLM step or the next due vision batch goes, by deadline and predicted cost,
+and runs it: an LLM step on the loop thread with every core, a vision batch on the vision
+workers (runtime/vision_lane.py). Never both at once, so one workload at a time has the cores.
+
+Callers never touch the engines: submissions are checked on the caller's thread (bad input
+raises ValueError there, naming the field), then handed to the loop through an inbox. A
+failing step or batch fails only its own requests; an error the loop cannot survive marks
+the Runtime broken, and every pending and later call fails at once with the reason.
+
+Memory: the vision path is built first, so its measured peak is reserved before the LLM's KV
+pool takes the rest of the budget, whatever order the configs were given in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from runtime.handles import GenerationHandle, RuntimeClosedError
+from runtime.llm.engine import EngineConfig, LLMEngine
+from runtime.llm.sampling_params import SamplingParams
+from runtime.memory import DeviceMemoryManager, MemoryConfig
+from runtime.threads import settle_native_pools
+from schedulers.arbiter import LLM, VISION, WAIT, Arbiter, ArbiterConfig, LLMState
+
+Prompt = str | list[int] | list[dict]
+
+
+def _config(cls, value: Any, name: str):
+    """A config object from itself, a dict of its fields, or None."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        if hasattr(cls, "from_dict"):
+            return cls.from_dict(value)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"{name}: unknown field(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**value)
+    raise ValueError(f"{name} must be a {cls.__name__}, a dict of its fields, or None, got {type(value).__name__}")
+
+
+def _is_messages(p: Any) -> bool:
+    return isinstance(p, list) and bool(p) and isinstance(p[0], dict)
+
+
+class Runtime:
+    def __init__(
+        self,
+        llm: EngineConfig | dict | None = None,
+        vision: Any = None,
+        memory: DeviceMemoryManager | None = None,
+        arbiter: ArbiterConfig | dict | None = None,
+        profile: bool = True,
+    ) -> None:
+        """llm / vision: an EngineConfig / VisionConfig, a dict of its fields, or None (that
+        workload is absent). profile: time LLM steps at start-up for the arbiter's cost model
+        (it learns from every step either way)."""
+        from runtime.vision.config import VisionConfig
+
+        llm_config = _config(EngineConfig, llm, "llm")
+        if isinstance(vision, dict) and "device" not in vision and llm_config is not None:
+            vision = {**vision, "device": llm_config.resolved_device()}
+        vision_config = _config(VisionConfig, vision, "vision")
+        if llm_config is None and vision_config is None:
+            raise ValueError("Runtime needs llm, vision or both (each a config, a dict of its fields, or None)")
+        devices = {c.resolved_device() if isinstance(c, EngineConfig) else c.device
+                   for c in (llm_config, vision_config) if c is not None}  # fmt: skip
+        if len(devices) > 1:
+            raise ValueError(f"llm.device and vision.device must name one device (one Runtime per device), got {devices}")
+        self.device = devices.pop()
+        self.arbiter = Arbiter(_config(ArbiterConfig, arbiter, "arbiter"))
+        self.memory = memory or DeviceMemoryManager(MemoryConfig(device=self.device))
+        settle_native_pools()  # on this thread, before any engine thread touches oneDNN
+        self._cond = threading.Condition()
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._handles: dict[str, GenerationHandle] = {}
+        self._closing = False
+        self._drain = True
+        self._broken: str | None = None
+        self.step_ms: deque[float] = deque(maxlen=256)
+        self.vision = self.llm = None
+        try:
+            if vision_config is not None:  # first: the KV pool is sized from what vision leaves
+                from runtime.vision_lane import VisionLane
+
+                self.vision = VisionLane(vision_config, self.memory, self._cond, self._on_vision_batch,
+                                         self._on_vision_idle)  # fmt: skip
+                for size, seconds in self.vision.profile_costs():
+                    self.arbiter.vision_cost.observe((size,), seconds)
+            if llm_config is not None:
+                self.llm = LLMEngine(llm_config, self.memory)
+                if profile:
+                    from runtime.llm.profile import profile_steps
+
+                    for shape, seconds in profile_steps(self.llm):
+                        self.arbiter.llm_cost.observe(shape, seconds)
+        except BaseException:
+            self._release()
+            raise
+        import torch
+
+        self._llm_threads = torch.get_num_threads()
+        self._loop = threading.Thread(target=self._run, name="tandem-runtime", daemon=True)
+        self._loop.start()
+
+    # ---- entry points (any thread) ----------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return None if self.llm is None else self.llm.tokenizer
+
+    @property
+    def max_model_len(self) -> int | None:
+        return None if self.llm is None else self.llm.max_model_len
+
+    def submit_generate(
+        self,
+        prompt_or_messages: Prompt,
+        sampling_params: SamplingParams | None = None,
+        priority: int = 0,
+        deadline_s: float | None = None,
+        request_id: str | None = None,
+    ) -> GenerationHandle:
+        """Queue a generation: a prompt (text or token ids) or chat messages. Bad input raises
+        ValueError here, naming the field. Iterate the handle for streamed outputs; its
+        `result()` gives the final RequestOutput."""
+        engine = self._require("llm")
+        prompt = engine.apply_chat_template(prompt_or_messages) if _is_messages(prompt_or_messages) else prompt_or_messages
+        prepared = engine.prepare(prompt, sampling_params, request_id, priority, deadline_s)
+        rid = prepared.request_id
+        handle = GenerationHandle(rid, self._cancel_generate)
+        with self._cond:
+            self._check_open()
+            if rid in self._handles:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            self._handles[rid] = handle
+            self._post(lambda: self._add_generate(prepared, handle))
+        handle.add_done_callback(self._forget)
+        return handle
+
+    def submit_detect(
+        self, item: Any, priority: int = 0, deadline_s: float | None = None, request_id: str | None = None
+    ) -> Future:
+        """Queue one image (array, PIL image, path or Frame); the future gets its Detections.
+        Cancelling the future takes a queued request out. Raises QueueFullError when the queue
+        is full, ValueError for bad fields; a bad *image* fails only its own future."""
+        lane = self._require("vision")
+        with self._cond:
+            self._check_open()
+            future = lane.submit(item, priority, deadline_s, request_id)
+            self._cond.notify_all()
+        return future
+
+    def stats(self) -> dict:
+        """The memory budget by owner, queue depths, running counts, recent timings."""
+        with self._cond:
+            out: dict[str, Any] = {"memory": self.memory.stats(), "broken": self._broken}
+            if self.llm is not None:
+                s = self.llm.scheduler
+                ms = sorted(self.step_ms)
+                out["llm"] = {
+                    "waiting": len(s.waiting) + len(getattr(s, "queue", ())),
+                    "running": len(s.running),
+                    "steps": self.llm.num_steps,
+                    "failed_steps": self.llm.num_failed_steps,
+                    "step_ms_p50": ms[len(ms) // 2] if ms else None,
+                    "step_ms_p99": ms[int(len(ms) * 0.99)] if ms else None,
+                }
+            if self.vision is not None:
+                out["vision"] = self.vision.stats()
+            now = time.monotonic()
+            out["arbiter"] = {
+                "turns": dict(self.arbiter.counts),
+                "reasons": dict(self.arbiter.reasons),
+                "vision_share": round(self.arbiter.vision_share(now), 3),
+            }
+        return out
+
+    def close(self, drain: bool = True, timeout: float | None = 120.0) -> None:
+        """Stop accepting work. drain=True finishes everything accepted first; drain=False
+        fails what has not finished with RuntimeClosedError. Then the loop stops and every
+        memory reservation is released."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing, self._drain = True, drain
+            if not drain:
+                self._fail_pending(RuntimeClosedError("the runtime closed before this request finished"))
+            self._cond.notify_all()
+        self._loop.join(timeout)
+        stuck = self._loop.is_alive()
+        if stuck:
+            self._broken = self._broken or f"close() timed out after {timeout} s with work pending"
+        self._fail_pending(RuntimeClosedError(f"the runtime closed: {self._broken or 'closed'}"))
+        if not stuck:
+            self._release()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- helpers of the entry points --------------------------------------------------------
+
+    def _require(self, kind: str):
+        engine = self.llm if kind == "llm" else self.vision
+        if engine is None:
+            raise RuntimeError(f"this Runtime has no {kind} workload (pass {kind}=... when creating it)")
+        self._check_open()
+        return engine
+
+    def _check_open(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"the runtime is broken and serves no more requests: {self._broken}")
+        if self._closing:
+            raise RuntimeError("the runtime is closed")
+
+    def _post(self, command: Callable[[], None]) -> None:
+        """Run `command` on the loop thread at its next turn (the engines are single-threaded)."""
+        with self._cond:
+            self._inbox.append(command)
+            self._cond.notify_all()
+
+    def _cancel_generate(self, request_id: str) -> None:
+        self._post(lambda: self.llm.abort(request_id))
+
+    def _forget(self, handle: GenerationHandle) -> None:
+        with self._cond:
+            if self._handles.get(handle.request_id) is handle:
+                del self._handles[handle.request_id]
+
+    def _add_generate(self, prepared, handle: GenerationHandle) -> None:
+        try:
+            self.llm.add_prepared(prepared, sink=handle._push)
+        except Exception as exc:  # noqa: BLE001 - e.g. more KV blocks than the pool has: that request's error
+            handle._fail(exc)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        """Fail every request not yet finished (close without draining, or a broken loop)."""
+        with self._cond:
+            handles = list(self._handles.values())
+            self._handles.clear()
+            self._inbox.clear()
+            if self.vision is not None:
+                self.vision.fail_queued(error)
+        for h in handles:
+            h._fail(error)
+        loop = getattr(self, "_loop", None)
+        if self.llm is not None and (loop is None or loop is threading.current_thread() or not loop.is_alive()):
+            for rid in list(self.llm._tracked):  # nobody steps the engine any more: free their blocks
+                self.llm.abort(rid, str(error), "runtime_closed")
+        elif self.llm is not None:
+            self._post(lambda: [self.llm.abort(rid, str(error), "runtime_closed") for rid in list(self.llm._tracked)])
+
+    def _release(self) -> None:
+        if self.vision is not None:
+            self.vision.close(RuntimeClosedError("the runtime closed before this request ran"))
+        if self.llm is not None:
+            self.llm.close()
+
+    # ---- the loop thread --------------------------------------------------------------------
+
+    def _on_vision_batch(self, size: int, start: float, end: float) -> None:
+        self.arbiter.vision_cost.observe((size,), end - start)
+
+    def _on_vision_idle(self, busy_since: float, end: float) -> None:
+        self.arbiter.add_busy(VISION, busy_since, end)
+
+    def _next_expiry(self, now: float) -> float | None:
+        """Seconds until some queued request's deadline (cond held)."""
+        times = []
+        if self.llm is not None and self.llm.next_deadline() is not None:
+            times.append(max(0.0, self.llm.next_deadline() - now))
+        if self.vision is not None:
+            times.append(self.vision.next_expiry(now))
+        times = [t for t in times if t is not None]
+        return min(times) if times else None
+
+    def _done(self) -> bool:
+        """Closing and nothing left to do (cond held)."""
+        if not self._closing:
+            return False
+        if not self._drain:
+            return not self._inbox and (self.vision is None or self.vision.busy == 0)
+        llm_idle = self.llm is None or not self.llm.has_unfinished()
+        vision_idle = self.vision is None or not self.vision.has_work()
+        return not self._inbox and llm_idle and vision_idle
+
+    def _run(self) -> None:
+        import torch
+
+        torch.set_num_threads(self._llm_threads)  # the LLM step gets every core
+        target_s = self.arbiter.config.vision_target_latency_ms / 1000
+        try:
+            while True:
+                with self._cond:
+                    commands = list(self._inbox)
+                    self._inbox.clear()
+                for command in commands:
+                    command()
+                with self._cond:
+                    if commands:
+                        continue  # new work may change the choice
+                    if self._done():
+                        return
+                    now = time.monotonic()
+                    llm_state = None
+                    if self.llm is not None:
+                        if self.llm.next_deadline() is not None and self.llm.next_deadline() <= now:
+                            self._post(lambda: self.llm.expire_queued(time.monotonic()))
+                            continue
+                        ready = self.llm.has_unfinished()
+                        reqs, tokens = self.llm.next_step_shape() if ready else (0, 0)
+                        llm_state = LLMState(ready, reqs, tokens)
+                    vision_state = self.vision.state(now, target_s) if self.vision is not None else None
+                    turn = self.arbiter.choose(now, llm_state, vision_state)
+                    if turn.kind == VISION:
+                        self.vision.dispatch(now)
+                        continue
+                    if turn.kind == WAIT or (self.vision is not None and self.vision.busy):
+                        # An LLM step waits for the vision workers: one workload on the cores.
+                        # Either way, wake in time to reject a queued request at its deadline.
+                        waits = [turn.wait_s if turn.kind == WAIT else None, self._next_expiry(now)]
+                        waits = [w for w in waits if w is not None]
+                        if not self._inbox:
+                            self._cond.wait(min(waits) if waits else None)
+                        continue
+                t0 = time.monotonic()
+                self.llm.step()
+                t1 = time.monotonic()
+                with self._cond:
+                    self.arbiter.record(LLM, t0, t1, self.llm.last_step_shape)
+                self.step_ms.append((t1 - t0) * 1000)
+        except BaseException as exc:  # noqa: BLE001 - the loop cannot go on: say why, everywhere
+            self._broken = f"{type(exc).__name__}: {exc}"
+            self._fail_pending(RuntimeClosedError(f"the runtime broke: {self._broken}"))
+
