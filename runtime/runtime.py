@@ -5,10 +5,16 @@
         future = rt.submit_detect(frame, deadline_s=0.1)                      # any thread
         print(handle.result().text, future.result().boxes)
 
-One loop thread owns the device. At each turn it asks the arbiter (schedulers/arbiter.py)
-whether the next LLM step or the next due vision batch goes, by deadline and predicted cost,
-and runs it: an LLM step on the loop thread with every core, a vision batch on the vision
-workers (runtime/vision_lane.py). Never both at once, so one workload at a time has the cores.
+One loop thread owns the device. Each time something arrives or finishes, it asks the
+arbiter (schedulers/arbiter.py) whether the next due vision batch or the next LLM step goes,
+by deadline and predicted cost. The device has lanes: on a CPU one per core, on a GPU one.
+A vision batch runs on one lane (a single-threaded vision worker that takes due batches
+itself, runtime/vision_lane.py); an LLM step runs on the loop thread with the lanes vision
+leaves free as its thread count (one at least). So on a CPU the two workloads share the
+cores side by side and the only OpenMP pool is the loop thread's: never two pools
+competing. A frame that arrives during an LLM step starts at once on its own worker; for
+the rest of that step it shares a core with one of the step's threads. On a GPU (one lane)
+they take turns, and the arbiter puts a vision batch between two LLM steps by deadline.
 
 Callers never touch the engines: submissions are checked on the caller's thread (bad input
 raises ValueError there, naming the field), then handed to the loop through an inbox. A
@@ -82,7 +88,7 @@ class Runtime:
         if len(devices) > 1:
             raise ValueError(f"llm.device and vision.device must name one device (one Runtime per device), got {devices}")
         self.device = devices.pop()
-        self.arbiter = Arbiter(_config(ArbiterConfig, arbiter, "arbiter"))
+        arbiter_config = _config(ArbiterConfig, arbiter, "arbiter")
         self.memory = memory or DeviceMemoryManager(MemoryConfig(device=self.device))
         settle_native_pools()  # on this thread, before any engine thread touches oneDNN
         self._cond = threading.Condition()
@@ -93,27 +99,33 @@ class Runtime:
         self._broken: str | None = None
         self.step_ms: deque[float] = deque(maxlen=256)
         self.vision = self.llm = None
+        self._blocked_since: float | None = None  # vision holds every lane while the LLM waits
+        self._llm_active = False  # the LLM has work: vision leaves it a lane
+        import torch
+
+        self._cpu_threads = torch.get_num_threads()
+        self.arbiter = Arbiter(arbiter_config)  # its lanes are known once vision is built
         try:
             if vision_config is not None:  # first: the KV pool is sized from what vision leaves
                 from runtime.vision_lane import VisionLane
 
                 self.vision = VisionLane(vision_config, self.memory, self._cond, self._on_vision_batch,
-                                         self._on_vision_idle)  # fmt: skip
+                                         lambda: self.arbiter.vision_lanes(self._llm_active))  # fmt: skip
+                self.arbiter.lanes = self.vision.workers
                 for size, seconds in self.vision.profile_costs():
                     self.arbiter.vision_cost.observe((size,), seconds)
             if llm_config is not None:
                 self.llm = LLMEngine(llm_config, self.memory)
+                if self.vision is None:
+                    self.arbiter.lanes = 1  # no vision: the LLM step always gets every thread
                 if profile:
                     from runtime.llm.profile import profile_steps
 
                     for shape, seconds in profile_steps(self.llm):
-                        self.arbiter.llm_cost.observe(shape, seconds)
+                        self.arbiter.llm_cost(self.arbiter.lanes).observe(shape, seconds)
         except BaseException:
             self._release()
             raise
-        import torch
-
-        self._llm_threads = torch.get_num_threads()
         self._loop = threading.Thread(target=self._run, name="tandem-runtime", daemon=True)
         self._loop.start()
 
@@ -184,6 +196,7 @@ class Runtime:
                 out["vision"] = self.vision.stats()
             now = time.monotonic()
             out["arbiter"] = {
+                "lanes": self.arbiter.lanes,
                 "turns": dict(self.arbiter.counts),
                 "reasons": dict(self.arbiter.reasons),
                 "vision_share": round(self.arbiter.vision_share(now), 3),
@@ -276,10 +289,18 @@ class Runtime:
     # ---- the loop thread --------------------------------------------------------------------
 
     def _on_vision_batch(self, size: int, start: float, end: float) -> None:
-        self.arbiter.vision_cost.observe((size,), end - start)
+        """A vision worker finished a batch (cond held)."""
+        self.arbiter.record(VISION, start, end, (size,))
+        if self._blocked_since is not None:  # a lane is free for the LLM again
+            self.arbiter.add_busy(VISION, self._blocked_since, end)
+            self._blocked_since = None
 
-    def _on_vision_idle(self, busy_since: float, end: float) -> None:
-        self.arbiter.add_busy(VISION, busy_since, end)
+    def _llm_threads(self, lanes: int) -> int:
+        """Threads for an LLM step given `lanes` free lanes (each lane: a vision worker's share
+        of the cores); every thread when there is no vision."""
+        if self.vision is None or not self.device.startswith("cpu"):
+            return self._cpu_threads
+        return max(1, lanes * (self.vision.threads or 1))
 
     def _next_expiry(self, now: float) -> float | None:
         """Seconds until some queued request's deadline (cond held)."""
@@ -304,7 +325,8 @@ class Runtime:
     def _run(self) -> None:
         import torch
 
-        torch.set_num_threads(self._llm_threads)  # the LLM step gets every core
+        threads = self._cpu_threads
+        torch.set_num_threads(threads)
         target_s = self.arbiter.config.vision_target_latency_ms / 1000
         try:
             while True:
@@ -327,26 +349,38 @@ class Runtime:
                         ready = self.llm.has_unfinished()
                         reqs, tokens = self.llm.next_step_shape() if ready else (0, 0)
                         llm_state = LLMState(ready, reqs, tokens)
-                    vision_state = self.vision.state(now, target_s) if self.vision is not None else None
-                    turn = self.arbiter.choose(now, llm_state, vision_state)
+                    ready = llm_state is not None and llm_state.ready
+                    if ready != self._llm_active:
+                        self._llm_active = ready
+                        self._cond.notify_all()  # the lanes vision may use changed
+                    busy = 0
+                    vision_state = None
+                    if self.vision is not None:
+                        vision_state = self.vision.state(now, target_s)
+                        busy = self.vision.busy
+                    turn = self.arbiter.choose(now, llm_state, vision_state, busy)
                     if turn.kind == VISION:
-                        self.vision.dispatch(now)
+                        self.vision.grant()
+                        if self._blocked_since is None:
+                            self._blocked_since = now
+                        self._cond.wait(self._next_expiry(now))  # until the batch takes the lane
                         continue
-                    if turn.kind == WAIT or (self.vision is not None and self.vision.busy):
-                        # An LLM step waits for the vision workers: one workload on the cores.
-                        # Either way, wake in time to reject a queued request at its deadline.
-                        waits = [turn.wait_s if turn.kind == WAIT else None, self._next_expiry(now)]
-                        waits = [w for w in waits if w is not None]
+                    if turn.kind == WAIT:
+                        # Wake in time to reject a queued request at its deadline, too.
+                        waits = [w for w in (turn.wait_s, self._next_expiry(now)) if w is not None]
                         if not self._inbox:
                             self._cond.wait(min(waits) if waits else None)
                         continue
+                    want = self._llm_threads(turn.lanes)
+                if want != threads:
+                    torch.set_num_threads(want)
+                    threads = want
                 t0 = time.monotonic()
                 self.llm.step()
                 t1 = time.monotonic()
                 with self._cond:
-                    self.arbiter.record(LLM, t0, t1, self.llm.last_step_shape)
+                    self.arbiter.record(LLM, t0, t1, self.llm.last_step_shape, lanes=turn.lanes)
                 self.step_ms.append((t1 - t0) * 1000)
         except BaseException as exc:  # noqa: BLE001 - the loop cannot go on: say why, everywhere
             self._broken = f"{type(exc).__name__}: {exc}"
             self._fail_pending(RuntimeClosedError(f"the runtime broke: {self._broken}"))
-

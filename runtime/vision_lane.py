@@ -1,23 +1,24 @@
-"""The vision side of a Runtime: a YOLO runner, the dynamic batcher, and inference workers
-that the Runtime's loop hands whole batches to.
+"""The vision side of a Runtime: a YOLO runner, the dynamic batcher, and inference workers,
+one per lane of the device, that take due batches themselves.
 
-    submit_detect() -> DynamicBatchScheduler -> [loop: dispatch when the arbiter says so]
-                    -> worker thread: decode, letterbox, forward, resolve futures
+    submit_detect() -> DynamicBatchScheduler -> worker thread (when its lane is allowed):
+                       form the batch, decode, letterbox, forward, resolve futures
 
-Each worker runs a batch with `threads` torch threads (1 on CPU: see runtime/vision/engine.py
-for the measurements behind one single-threaded worker per core). The loop never runs an LLM
-step while a worker is busy, so the cores belong to one workload at a time and no two
-OpenMP pools compete. With no LLM work, the loop keeps every worker fed, as the standalone
-VisionEngine does.
+A worker takes a batch as soon as one is due and vision may use another lane
+(`allowed()`, from the arbiter: every lane while the LLM is idle, all but one while it
+works), or when the loop grants the LLM's last lane to an urgent batch (`grant()`). So a
+frame never waits for an LLM step to end. Each worker runs with `threads` torch threads (1
+on CPU: see runtime/vision/engine.py for the measurements behind one single-threaded worker
+per core); single-threaded workers create no OpenMP pool, so the LLM step beside them is the
+only pool in the process. With no LLM work, every worker is fed, as in the standalone
+VisionEngine.
 
-State (scheduler, jobs, busy count) is guarded by the Runtime's condition, which a worker
-notifies when it finishes a batch.
+State (scheduler, jobs, busy count, grants) is guarded by the Runtime's condition.
 """
 
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from collections import deque
@@ -38,9 +39,9 @@ from schedulers.arbiter import VisionState
 
 class VisionLane:
     def __init__(self, config: VisionConfig, memory: DeviceMemoryManager, cond: threading.Condition,
-                 on_batch: Callable[[int, float, float], None], on_idle: Callable[[float, float], None]) -> None:  # fmt: skip
-        """on_batch(size, start, end) after each batch and on_idle(busy_since, end) when the
-        last busy worker finishes, both called with `cond` held (for the arbiter)."""
+                 on_batch: Callable[[int, float, float], None], allowed: Callable[[], int]) -> None:  # fmt: skip
+        """on_batch(size, start, end) after each batch; allowed() -> lanes vision may fill on
+        its own now. Both are called with `cond` held."""
         self.config = c = config
         self.workers, self.threads = c.threads()
         self.runner = _in_thread(lambda: YoloRunner(c, None, memory, workers=self.workers), self.threads)
@@ -51,14 +52,14 @@ class VisionLane:
             raise
         self.scheduler = DynamicBatchScheduler(batching)
         self._cond = cond
-        self._on_batch, self._on_idle = on_batch, on_idle
+        self._on_batch, self._allowed = on_batch, allowed
+        self._grants = 0  # batches the loop allowed beyond allowed()
+        self._stopping = False
         self.jobs: dict[str, VisionJob] = {}
         self._ids = itertools.count()
         self.busy = 0
-        self._busy_since = 0.0
         self.batch_ms: deque[float] = deque(maxlen=256)
         self.num_batches = 0
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._work, name=f"tandem-vision-{k}", daemon=True)
                          for k in range(self.workers)]  # fmt: skip
         for t in self._threads:
@@ -99,23 +100,16 @@ class VisionLane:
 
     # ---- the loop (cond held) ---------------------------------------------------------------
 
-    @property
-    def num_free(self) -> int:
-        return self.workers - self.busy
-
     def has_work(self) -> bool:
         return bool(self.jobs)
 
     def state(self, now: float, target_latency_s: float) -> VisionState:
-        """What the arbiter needs. With no free worker nothing is due: the loop waits for one.
-        Requests whose deadline passed while queued are rejected here."""
+        """What the arbiter needs. Requests whose deadline passed while queued are rejected here."""
         q = self.scheduler.queue
         for item, msg in q.expire(now):
             self._reject(item.request_id, msg)
         if not len(q):
             return VisionState(0)
-        if not self.num_free:
-            return VisionState(0, None, None)
         in_flight = self.scheduler.in_flight
         oldest = min(
             (j.deadline if j.deadline is not None else j.submitted + target_latency_s)
@@ -132,22 +126,33 @@ class VisionLane:
         deadlines = [j.deadline for rid, j in self.jobs.items() if j.deadline is not None and rid not in in_flight]
         return max(0.0, min(deadlines) - now) if deadlines else None
 
-    def dispatch(self, now: float) -> int:
-        """Form due batches and hand one to each free worker; returns how many went."""
-        sent = 0
-        while self.num_free:
-            batch = self.scheduler.schedule(now)
-            for rid, msg in batch.rejected.items():
-                self._reject(rid, msg)
-            if not batch.size:
-                break
-            if self.busy == 0:
-                self._busy_since = time.monotonic()
-            self.busy += 1
-            jobs = {rid: self.jobs[rid] for rid in batch.request_ids if rid in self.jobs}
-            self._queue.put((batch, jobs, time.monotonic()))
-            sent += 1
-        return sent
+    def grant(self) -> None:
+        """Let one due batch take a lane beyond allowed() (the loop's urgent turn)."""
+        self._grants += 1
+        self._cond.notify_all()
+
+    def _take(self, now: float):
+        """A due batch for a worker, if its lane is allowed (cond held); None otherwise."""
+        for item, msg in self.scheduler.queue.expire(now):
+            self._reject(item.request_id, msg)
+        allowed = self._allowed()
+        if self.scheduler.next_due(now) != 0:
+            if self._grants:
+                self._grants = 0  # a grant is for a batch due now, not for later ones
+                self._cond.notify_all()  # the loop waits to see it used or dropped
+            return None
+        if self.busy >= allowed + self._grants:
+            return None
+        batch = self.scheduler.schedule(now)
+        for rid, msg in batch.rejected.items():
+            self._reject(rid, msg)
+        if not batch.size:
+            return None
+        if self.busy >= allowed:
+            self._grants -= 1
+            self._cond.notify_all()  # the loop waits to see its grant used
+        self.busy += 1
+        return batch, {rid: self.jobs[rid] for rid in batch.request_ids if rid in self.jobs}, time.monotonic()
 
     def _reject(self, rid: str, msg: str) -> None:
         job = self.jobs.pop(rid, None)
@@ -165,8 +170,18 @@ class VisionLane:
     def _work(self) -> None:
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # this thread's own setting (see engine.py)
-        while (item := self._queue.get()) is not None:
-            batch, jobs, started = item
+        while True:
+            with self._cond:
+                while True:
+                    if self._stopping:
+                        return
+                    now = time.monotonic()
+                    taken = self._take(now)
+                    if taken is not None:
+                        break
+                    due = self.scheduler.next_due(now) if self.busy < self._allowed() + self._grants else None
+                    self._cond.wait(due)
+            batch, jobs, started = taken
             t0 = time.monotonic()
             results: list = [None] * batch.size
             try:
@@ -183,14 +198,13 @@ class VisionLane:
                 self.num_batches += 1
                 self.batch_ms.append((t1 - t0) * 1000)
                 self._on_batch(batch.size, t0, t1)
-                if self.busy == 0:
-                    self._on_idle(self._busy_since, t1)
                 self._cond.notify_all()
 
     def close(self, error: BaseException | None = None, timeout: float | None = 60.0) -> None:
         """Stop the workers (after the batches they run) and fail anything still open."""
-        for _ in self._threads:
-            self._queue.put(None)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
         for t in self._threads:
             t.join(timeout)
         with self._cond:

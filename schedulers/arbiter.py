@@ -1,22 +1,28 @@
-"""Which workload gets the device next: an LLM step or a vision batch. Pure Python, no model.
+"""Which workload gets the device's lanes: LLM steps or vision batches. Pure Python.
 
-The Runtime's loop asks `choose()` at every turn and reports what ran with `record()`. The
-policy, in order:
+A device has `lanes` that can run at once: the cores of a CPU, or 1 on a GPU, where work
+takes turns. A vision batch runs on one lane (a single-threaded worker per core on a CPU);
+an LLM step runs on the loop thread with the lanes vision leaves as its thread count.
 
-  1. Only one workload has work ready: it runs. Nothing ready: wait until the next vision
-     batch falls due (or until something arrives).
-  2. Both ready, and vision has taken `max_vision_share` or more of the recent busy time
-     (decayed over `share_window_s`): the LLM step runs. LLM steps are never starved.
-  3. Both ready: the vision batch runs now if one more LLM step first would make it miss its
-     deadline, i.e. if  deadline - now - cost(vision batch) < cost(next LLM step).
-     Requests without a deadline of their own count as due `vision_target_latency_ms` after
-     arrival, so vision is never starved either.
-  4. Otherwise the LLM step runs: the vision batch has slack, and waiting lets it grow.
+  1. Vision workers serve due batches on their own, on up to `vision_lanes()` lanes: on a
+     multi-lane device every lane, so a frame never waits for an LLM step to end; on one
+     lane only while the LLM is idle.
+  2. On a multi-lane device `choose()` always lets the LLM step run, on the lanes vision is
+     not using at that moment and one at least: neither workload waits for the other.
+     (A frame that arrives mid-step shares a core with one of the step's threads until the
+     step ends; measured, that costs less than leaving a lane idle for vision.)
+  3. On one lane (a GPU) the LLM runs step after step, and a due vision batch goes between
+     two steps exactly when one more step first would make it miss its deadline:
+         deadline - now - cost(batch) < cost(next LLM step),
+     unless vision has already held the LLM off for `max_vision_share` of the recent time
+     (decayed over `share_window_s`): LLM steps are never starved. Requests without a
+     deadline count as due `vision_target_latency_ms` after arrival, so vision is not
+     starved either.
 
-Costs come from `LinearCost` models: an LLM step costs a + b*requests + c*tokens, a vision
-batch a + b*batch_size. They start from the Runtime's start-up profile and follow
-what the device really does through `record()` (exponentially weighted least squares), so a
-machine that slows down under load is seen within a few dozen turns.
+Costs come from `LinearCost` models: an LLM step costs a + b*requests + c*tokens (one model
+per lane count it ran with), a vision batch a + b*batch_size. They start from the Runtime's
+start-up profile and follow what the device really does through `record()` (exponentially
+weighted least squares), so a machine that slows down is seen within a few dozen turns.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ class Turn:
     kind: str  # LLM, VISION or WAIT
     reason: str
     wait_s: float | None = None  # for WAIT: how long at most (None: until woken)
+    lanes: int = 0  # for LLM: how many lanes (threads) the step gets
 
 
 class LinearCost:
@@ -131,54 +138,79 @@ class LinearCost:
 
 
 class Arbiter:
-    def __init__(self, config: ArbiterConfig | None = None) -> None:
+    def __init__(self, config: ArbiterConfig | None = None, lanes: int = 1) -> None:
+        if not isinstance(lanes, int) or lanes < 1:
+            raise ValueError(f"lanes must be an integer >= 1, got {lanes!r}")
         self.config = config or ArbiterConfig()
-        self.llm_cost = LinearCost(2, default_s=0.05)
+        self.lanes = lanes
+        self.llm_costs: dict[int, LinearCost] = {}  # by lanes (threads) the step ran with
         self.vision_cost = LinearCost(1, default_s=0.05)
         self._busy = {LLM: 0.0, VISION: 0.0}
         self._busy_at = 0.0  # the time the decayed busy totals refer to
         self.counts = {LLM: 0, VISION: 0}
         self.reasons: dict[str, int] = {}
 
-    def predict_llm(self, s: LLMState) -> float:
-        return self.llm_cost.predict((s.num_reqs, s.num_tokens))
+    def llm_cost(self, lanes: int) -> LinearCost:
+        model = self.llm_costs.get(lanes)
+        if model is None:
+            model = self.llm_costs[lanes] = LinearCost(2, default_s=0.05)
+        return model
+
+    def predict_llm(self, s: LLMState, lanes: int) -> float:
+        model = self.llm_costs.get(lanes)
+        if model is None or model._n == 0:  # never ran with these lanes: scale the nearest model
+            known = [k for k, m in self.llm_costs.items() if m._n > 0]
+            if not known:
+                return LinearCost(2, default_s=0.05).predict(())
+            nearest = min(known, key=lambda k: abs(k - lanes))
+            return self.llm_costs[nearest].predict((s.num_reqs, s.num_tokens)) * nearest / lanes
+        return model.predict((s.num_reqs, s.num_tokens))
 
     def predict_vision(self, batch_size: int) -> float:
         return self.vision_cost.predict((batch_size,))
 
     def vision_share(self, now: float) -> float:
+        """The recent share of time in which vision held every lane while the LLM waited."""
         self._decay_to(now)
         total = self._busy[LLM] + self._busy[VISION]
         return self._busy[VISION] / total if total > 0 else 0.0
 
-    def choose(self, now: float, llm: LLMState | None, vision: VisionState | None) -> Turn:
-        llm_ready = llm is not None and llm.ready
-        vision_due = vision is not None and vision.due_size > 0
-        if not vision_due:
-            if llm_ready:
-                return self._turn(LLM, "only the LLM is ready")
-            wait = None if vision is None else vision.next_due_s
-            return Turn(WAIT, "nothing ready", wait)
-        if not llm_ready:
-            return self._turn(VISION, "only vision is ready")
-        if self.vision_share(now) >= self.config.max_vision_share:
-            return self._turn(LLM, "vision used its share")
-        deadline = vision.oldest_deadline
-        if deadline is not None:
-            slack = deadline - now - self.predict_vision(vision.due_size)
-            if slack < self.predict_llm(llm):
-                return self._turn(VISION, "vision deadline")
-        return self._turn(LLM, "vision has slack")
+    def vision_lanes(self, llm_ready: bool) -> int:
+        """Lanes vision workers may fill on their own (rule 1)."""
+        return self.lanes if self.lanes > 1 or not llm_ready else 0
 
-    def record(self, kind: str, start: float, end: float, features: tuple[float, ...]) -> None:
-        """One LLM step or one vision batch ran from start to end; features are its cost
-        features ((requests, tokens) or (batch size,)). Counts as busy time too."""
-        self.add_busy(kind, start, end)
-        (self.llm_cost if kind == LLM else self.vision_cost).observe(features, end - start)
+    def choose(self, now: float, llm: LLMState | None, vision: VisionState | None, busy_lanes: int = 0) -> Turn:
+        """The loop's choice (rules 2 and 3). busy_lanes: lanes running vision batches now.
+        VISION grants a due batch the LLM's lane (one lane only)."""
+        llm_ready = llm is not None and llm.ready
+        if not llm_ready:
+            return Turn(WAIT, "nothing for the LLM")  # vision serves itself (rule 1)
+        if self.lanes > 1:  # the step takes the lanes vision leaves, one at least: never starved
+            return self._turn(LLM, "LLM step", lanes=max(1, self.lanes - busy_lanes))
+        if busy_lanes:
+            return Turn(WAIT, "vision holds the lane")
+        if vision is not None and vision.due_size > 0:
+            deadline = vision.oldest_deadline
+            urgent = deadline is not None and (
+                deadline - now - self.predict_vision(vision.due_size) < self.predict_llm(llm, 1)
+            )
+            if urgent and self.vision_share(now) < self.config.max_vision_share:
+                return self._turn(VISION, "vision deadline")
+            if urgent:
+                self.reasons["vision used its share"] = self.reasons.get("vision used its share", 0) + 1
+        return self._turn(LLM, "LLM step", lanes=1)
+
+    def record(self, kind: str, start: float, end: float, features: tuple[float, ...], lanes: int = 1) -> None:
+        """One LLM step (features (requests, tokens), on `lanes` threads) or one vision batch
+        (features (batch size,)) ran from start to end. An LLM step counts as busy time."""
+        if kind == LLM:
+            self.add_busy(LLM, start, end)
+            self.llm_cost(lanes).observe(features, end - start)
+        else:
+            self.vision_cost.observe(features, end - start)
 
     def add_busy(self, kind: str, start: float, end: float) -> None:
-        """Wall time the device spent on `kind` (vision batches that ran side by side on
-        several workers count once, as the interval they covered)."""
+        """Wall time of an LLM step, or time in which vision held the LLM's last lane."""
         self._decay_to(end)
         self._busy[kind] += end - start
 
@@ -189,7 +221,7 @@ class Arbiter:
             self._busy[VISION] *= f
             self._busy_at = now
 
-    def _turn(self, kind: str, reason: str) -> Turn:
+    def _turn(self, kind: str, reason: str, lanes: int = 0) -> Turn:
         self.counts[kind] += 1
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
-        return Turn(kind, reason)
+        return Turn(kind, reason, lanes=lanes)

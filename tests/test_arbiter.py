@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from schedulers.arbiter import LLM, VISION, WAIT, Arbiter, ArbiterConfig, LinearCost, LLMState, VisionState
+from schedulers.arbiter import LLM, VISION, WAIT, Arbiter, ArbiterConfig, LinearCost, LLMState, Turn, VisionState
 
 
-def _arbiter(llm_s: float = 0.05, vision_s_per_image: float = 0.02, **config) -> Arbiter:
-    """An arbiter whose cost models have learned exact fake costs."""
-    arb = Arbiter(ArbiterConfig(**config))
+def _arbiter(llm_s: float = 0.05, vision_s_per_image: float = 0.02, lanes: int = 1, **config) -> Arbiter:
+    """An arbiter whose cost models have learned exact fake costs (LLM steps on one lane)."""
+    arb = Arbiter(ArbiterConfig(**config), lanes=lanes)
     for reqs, tokens in ((1, 1), (16, 16), (1, 256), (4, 64)):
-        arb.llm_cost.observe((reqs, tokens), llm_s)
+        arb.llm_cost(1).observe((reqs, tokens), llm_s)
     for n in (1, 2, 4):
         arb.vision_cost.observe((n,), vision_s_per_image * n)
     return arb
@@ -33,14 +33,33 @@ def test_linear_cost_recovers_a_linear_model_and_follows_drift():
     assert cost.predict((8, 128)) == pytest.approx(2 * 0.0388, rel=0.01)
 
 
-def test_one_ready_workload_runs_and_an_idle_loop_waits_for_the_next_due_batch():
+def test_the_llm_steps_when_it_has_work_and_the_loop_waits_otherwise():
     arb = _arbiter()
-    assert arb.choose(0.0, READY, None).kind == LLM
+    assert arb.choose(0.0, READY, None) == Turn(LLM, "LLM step", lanes=1)
     assert arb.choose(0.0, READY, VisionState(due_size=0, next_due_s=0.004)).kind == LLM
-    assert arb.choose(0.0, LLMState(ready=False), VisionState(due_size=2, oldest_deadline=9.0)).kind == VISION
-    turn = arb.choose(0.0, LLMState(ready=False), VisionState(due_size=0, next_due_s=0.004))
-    assert (turn.kind, turn.wait_s) == (WAIT, 0.004)
-    assert arb.choose(0.0, None, None) == type(turn)(WAIT, "nothing ready", None)
+    # No LLM work: vision serves itself, the loop only waits.
+    assert arb.vision_lanes(llm_ready=False) == 1
+    assert arb.choose(0.0, LLMState(ready=False), VisionState(2, oldest_deadline=9.0)).kind == WAIT
+    assert arb.choose(0.0, None, None).kind == WAIT
+    # One lane, held by vision: the LLM waits for it.
+    assert arb.choose(0.0, READY, VisionState(0), busy_lanes=1) == Turn(WAIT, "vision holds the lane")
+
+
+def test_on_several_lanes_vision_takes_any_lane_and_the_llm_steps_on_the_rest():
+    arb = _arbiter(lanes=4)
+    assert arb.vision_lanes(llm_ready=True) == arb.vision_lanes(llm_ready=False) == 4
+    urgent = VisionState(1, oldest_deadline=-1.0)  # no grant needed: vision has its lanes
+    assert arb.choose(0.0, READY, urgent, busy_lanes=1) == Turn(LLM, "LLM step", lanes=3)
+    assert arb.choose(0.0, READY, urgent, busy_lanes=4) == Turn(LLM, "LLM step", lanes=1)  # never starved
+    assert arb.choose(0.0, LLMState(ready=False), urgent, busy_lanes=0).kind == WAIT
+
+
+def test_llm_cost_on_untried_lanes_is_scaled_from_the_nearest_known():
+    arb = _arbiter(llm_s=0.06, lanes=4)
+    assert arb.predict_llm(READY, 1) == pytest.approx(0.06)
+    assert arb.predict_llm(READY, 2) == pytest.approx(0.03)  # pessimistic linear scaling
+    arb.llm_cost(2).observe((8, 8), 0.045)
+    assert arb.predict_llm(READY, 2) == pytest.approx(0.045)
 
 
 def test_a_vision_batch_goes_first_exactly_when_one_more_llm_step_would_make_it_late():
@@ -57,13 +76,17 @@ def test_a_vision_batch_goes_first_exactly_when_one_more_llm_step_would_make_it_
 
 
 def test_llm_steps_are_never_starved_beyond_the_configured_vision_share():
-    arb = _arbiter(max_vision_share=0.25, share_window_s=1.0)
+    arb = _arbiter(max_vision_share=0.25, share_window_s=1.0)  # one lane: vision blocks the LLM
     now, kinds = 0.0, []
     urgent = VisionState(1, oldest_deadline=-1.0)  # always late: vision would take every turn
     for _ in range(400):
         turn = arb.choose(now, READY, urgent)
         cost = 0.02 if turn.kind == VISION else 0.05
-        arb.record(turn.kind, now, now + cost, (1,) if turn.kind == VISION else (8, 0))
+        if turn.kind == VISION:
+            arb.record(VISION, now, now + cost, (1,))
+            arb.add_busy(VISION, now, now + cost)  # the Runtime counts the time the LLM waited
+        else:
+            arb.record(LLM, now, now + cost, (8, 8), lanes=turn.lanes)
         kinds.append(turn.kind)
         now += cost
     vision_time = 0.02 * kinds.count(VISION)
@@ -80,7 +103,7 @@ def test_vision_without_deadlines_is_not_starved_by_a_busy_llm():
         turn = arb.choose(now, READY, VisionState(1, oldest_deadline=arrival + target))
         if turn.kind == VISION:
             break
-        arb.record(LLM, now, now + 0.05, (8, 0))
+        arb.record(LLM, now, now + 0.05, (8, 8), lanes=1)
         now += 0.05
     assert now + 0.02 <= target  # it ran in time for the target
     assert now > 0  # but only after LLM steps used the slack
@@ -93,3 +116,5 @@ def test_config_errors_name_the_field():
         ArbiterConfig(share_window_s=-1)
     with pytest.raises(ValueError, match="vision_target_latency_ms"):
         ArbiterConfig(vision_target_latency_ms="fast")
+    with pytest.raises(ValueError, match="lanes"):
+        Arbiter(lanes=0)

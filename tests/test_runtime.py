@@ -23,8 +23,9 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "Bonjour, je", "1, 2, 3,"]
 
 
-def _vision(**batching) -> dict:
-    return {"imgsz": 64, "conf": 0.0, "profile": False, "jit": False,
+def _vision(workers: int | None = None, **batching) -> dict:
+    """Small and fast; workers=1 makes a one-lane device, where the two workloads take turns."""
+    return {"imgsz": 64, "conf": 0.0, "profile": False, "jit": False, "workers": workers,
             "batching": {"max_batch_size": 2, "max_queue_delay_ms": 1.0, "preferred_batch_sizes": [1], **batching}}  # fmt: skip
 
 
@@ -76,7 +77,8 @@ def test_many_threads_submit_both_kinds_and_everything_completes(rt, tiny_llama_
     assert _kv_used(rt) == 0
     stats = rt.stats()
     assert stats["llm"]["running"] == 0 and stats["vision"]["queued"] == 0
-    assert stats["arbiter"]["turns"]["llm"] > 0 and stats["arbiter"]["turns"]["vision"] > 0
+    assert stats["arbiter"]["turns"]["llm"] > 0
+    assert sum(size * n for size, n in stats["vision"]["batch_size_counts"].items()) == 6 * 3
 
 
 def test_streamed_outputs_arrive_as_tokens_and_add_up_to_the_result(rt):
@@ -196,7 +198,9 @@ def test_a_bad_request_raises_on_the_callers_thread_and_others_go_on(rt):
 
 
 def test_queued_requests_past_their_deadline_are_rejected(tiny_llama_dir, monkeypatch):
-    with Runtime(llm=_llm(tiny_llama_dir, max_num_seqs=1), vision=_vision(), profile=False) as runtime:
+    # One lane: while the vision worker is held, the LLM request waits in the queue until its
+    # deadline passes, and so does the next image.
+    with Runtime(llm=_llm(tiny_llama_dir, max_num_seqs=1), vision=_vision(workers=1), profile=False) as runtime:
         gate, entered = threading.Event(), threading.Event()
         real_infer = runtime.vision.runner.infer
 
@@ -206,29 +210,57 @@ def test_queued_requests_past_their_deadline_are_rejected(tiny_llama_dir, monkey
             return real_infer(prepared)
 
         monkeypatch.setattr(runtime.vision.runner, "infer", held_infer)
-        # While both vision workers are held, the loop runs no LLM step: the LLM request
-        # waits in the queue until its deadline passes, and so does the third image.
-        held = [runtime.submit_detect(_image(j)) for j in range(4)]
+        held = runtime.submit_detect(_image(0))
         assert entered.wait(SAFETY_S)
         late_text = runtime.submit_generate("Once upon a time", GREEDY, deadline_s=0.05)
         late_image = runtime.submit_detect(_image(9), deadline_s=0.05)
         with pytest.raises(DeadlineExceededError, match="deadline"):
             late_image.result(SAFETY_S)
-        gate.set()
         with pytest.raises(DeadlineExceededError, match="deadline"):
             late_text.result(SAFETY_S)
-        assert all(f.result(SAFETY_S) for f in held)
+        assert runtime.stats()["llm"]["steps"] == 0  # rejected while the lane was vision's
+        gate.set()
+        assert held.result(SAFETY_S) is not None
         on_time = runtime.submit_generate("Once upon a time", GREEDY, deadline_s=SAFETY_S).result(SAFETY_S)
         assert on_time.metrics.deadline_missed is False
 
 
-def test_an_urgent_vision_batch_runs_between_llm_steps(tiny_llama_dir):
-    arbiter = {"vision_target_latency_ms": 30.0}
-    with Runtime(llm=_llm(tiny_llama_dir), vision=_vision(), arbiter=arbiter, profile=False) as runtime:
+def test_on_several_lanes_vision_runs_beside_llm_steps(tiny_llama_dir, monkeypatch):
+    with Runtime(llm=_llm(tiny_llama_dir), vision=_vision(workers=2), profile=False) as runtime:
+        assert runtime.arbiter.lanes == 2
         long = runtime.submit_generate("Once upon a time", SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
         next(iter(long))  # the LLM is busy decoding
-        detections = runtime.submit_detect(_image(3)).result(SAFETY_S)  # due 30 ms after arrival
-        assert detections is not None
+        gate, entered = threading.Event(), threading.Semaphore(0)
+        real_infer = runtime.vision.runner.infer
+
+        def held_infer(prepared):
+            entered.release()
+            assert gate.wait(SAFETY_S)
+            return real_infer(prepared)
+
+        monkeypatch.setattr(runtime.vision.runner, "infer", held_infer)
+        held = [runtime.submit_detect(_image(k)) for k in range(2)]
+        for _ in held:  # both lanes run vision, mid-generation
+            assert entered.acquire(timeout=SAFETY_S)
+        steps = runtime.stats()["llm"]["steps"]
+        tokens = []
+        for out in long:  # and the LLM still steps beside them: never starved
+            tokens.extend(out.delta_token_ids)
+            if len(tokens) >= 3:
+                break
+        assert runtime.stats()["llm"]["steps"] > steps and not long.done()
+        gate.set()
+        assert all(f.result(SAFETY_S) is not None for f in held)
+        long.cancel()
+
+
+def test_on_one_lane_an_urgent_vision_batch_runs_between_llm_steps(tiny_llama_dir):
+    arbiter = {"vision_target_latency_ms": 30.0}
+    with Runtime(llm=_llm(tiny_llama_dir), vision=_vision(workers=1), arbiter=arbiter, profile=False) as runtime:
+        assert runtime.arbiter.lanes == 1
+        long = runtime.submit_generate("Once upon a time", SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
+        next(iter(long))  # the LLM is busy decoding and holds the lane
+        assert runtime.submit_detect(_image(3)).result(SAFETY_S) is not None  # due 30 ms after arrival
         assert not long.done()  # it ran in the middle of the generation, not after it
         assert runtime.stats()["arbiter"]["reasons"]["vision deadline"] >= 1
         long.cancel()
