@@ -7,6 +7,7 @@ import argparse
 import sys
 
 # These modules keep torch out of their top level, so building the parser stays cheap.
+from runtime.bench_mixed import add_bench_arguments as add_mixed_bench
 from runtime.llm.bench import add_bench_arguments as add_llm_bench
 from runtime.vision.bench import add_bench_arguments as add_vision_bench
 from runtime.vision.cli import add_detect_arguments
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench_out")
     add_vision_bench(bench.add_parser("vision", help="images/s and latency against Ultralytics"))
     add_llm_bench(bench.add_parser("llm", help="useful tokens/s: continuous vs static vs Hugging Face"))
+    add_mixed_bench(bench.add_parser("mixed", help="chat + cameras: one Runtime vs two processes, deadlines met"))
     return parser
 
 
@@ -104,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             from runtime.llm.bench import run_bench as run_llm_bench
 
             return run_llm_bench(args)
+        if args.bench == "mixed":
+            from runtime.bench_mixed import run_bench as run_mixed_bench
+
+            return run_mixed_bench(args)
     return 2
 
 

@@ -1,11 +1,18 @@
 """`tandem demo` (the README's `make demo`): the mixed workload on embedded defaults, with no
-external services. Each part prints what it did and how long it took."""
+external services. One Runtime serves chat requests (arriving at random) and two loopback
+cameras at the same time; it prints the answers, both workloads' latencies and the memory
+budget by owner."""
 
 from __future__ import annotations
 
 import time
 
 SEED_LENGTHS = [5, 50, 8, 12, 40, 3, 30, 7]
+CHAT_QUESTIONS = [
+    "What is the capital of France?", "Give me three tips for a good night's sleep.", "Write a haiku about autumn.",
+    "What is the boiling point of water in Celsius?", "Explain in one sentence what a GPU is.",
+    "Name two planets larger than Earth.",
+]  # fmt: skip
 
 
 def _banner(title: str) -> None:
@@ -19,35 +26,64 @@ def run_scheduler_demo() -> None:
     print(format_report(SEED_LENGTHS, 4))
 
 
-CHAT_QUESTIONS = [
-    "What is the capital of France?",
-    "Give me three tips for a good night's sleep.",
-    "Write a haiku about autumn.",
-    "What is the boiling point of water in Celsius?",
-    "Explain in one sentence what a GPU is.",
-    "Name two planets larger than Earth.",
-]
+def run_llm_part(rt, workload) -> dict:
+    """Chat requests with Poisson arrivals; prints each answer as it completes."""
+    from runtime.mixed import drive
 
-
-def run_llm_demo(llm) -> None:
-    from runtime import SamplingParams
-
-    _banner("LLM: SmolLM2-135M-Instruct, continuous batching over a paged KV cache")
-    params = SamplingParams(max_tokens=64, temperature=0)
-    t0 = time.perf_counter()
-    outs = llm.chat([[{"role": "user", "content": q}] for q in CHAT_QUESTIONS], params)
-    wall = time.perf_counter() - t0
-    for q, out in zip(CHAT_QUESTIONS, outs):
+    def show(i: int, question: str, out) -> None:
         m = out.metrics
-        rate = m.decode_tokens_per_s
-        print(f"\nQ: {q}\nA: {out.text.strip()}")
-        print(
-            f"   [{len(out.token_ids)} tokens, {out.finish_reason}, TTFT {m.time_to_first_token * 1000:.0f} ms, "
-            f"{rate:.1f} tokens/s for this request]" if rate else f"   [{len(out.token_ids)} tokens, {out.finish_reason}]"
-        )
-    total = sum(len(o.token_ids) for o in outs)
-    print(f"\n{len(outs)} requests, {total} tokens in {wall:.1f} s: {total / wall:.1f} tokens/s overall, "
-          f"{llm.engine.num_steps} engine steps")
+        print(f"\nQ{i}: {question}\nA{i}: {out.text.strip()}")
+        print(f"    [{len(out.token_ids)} tokens, {out.finish_reason}, TTFT {m.time_to_first_token * 1000:.0f} ms, "
+              f"end to end {m.e2e_latency:.1f} s]")  # fmt: skip
+
+    return drive(rt, None, workload, on_answer=show).llm
+
+
+class Cameras:
+    """Loopback MJPEG cameras read as a `.streams` source (newest frame of each), every frame
+    sent to the Runtime with a deadline while the chat requests run."""
+
+    def __init__(self, rt, num: int = 2, fps: float = 5.0, deadline_s: float = 0.5) -> None:
+        import threading
+
+        from sources.loopback import MjpegServer, synthetic_frames
+        from sources.streams import StreamsSource
+
+        self.rt, self.deadline_s = rt, deadline_s
+        self.servers = [MjpegServer(synthetic_frames(15, seed=k), fps=fps) for k in range(num)]
+        self.source = StreamsSource([s.url for s in self.servers])
+        self.records: list[tuple[dict, object]] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="demo-cameras", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        while not self._stop.is_set():
+            for frame in self.source.next_batch(timeout=0.2):
+                if frame.error is not None:
+                    self.errors.append(frame.error)
+                    continue
+                record = {"submitted": time.monotonic(), "done": None, "stream": frame.source}
+                future = self.rt.submit_detect(frame, deadline_s=self.deadline_s)
+                future.add_done_callback(lambda f, r=record: r.__setitem__("done", time.monotonic()))
+                self.records.append((record, future))
+
+    def stop(self) -> dict:
+        from runtime.mixed import _vision_summary
+
+        self._stop.set()
+        self._thread.join()
+        for _, f in self.records:
+            f.exception()  # wait for each
+        self.source.close()
+        for s in self.servers:
+            s.close()
+        wall = (self.records[-1][0]["submitted"] - self.records[0][0]["submitted"]) if len(self.records) > 1 else 0.0
+        summary = _vision_summary(self.records, wall, self.deadline_s)
+        summary["boxes_last_frame"] = len(self.records[-1][1].result()) if self.records and not self.records[-1][1].exception() else None
+        summary["stream_errors"] = self.errors
+        return summary
 
 
 def _print_memory(memory) -> None:
@@ -63,41 +99,54 @@ def _print_memory(memory) -> None:
 
 
 def run_demo(vision: bool = True, llm: bool = True) -> int:
-    from contextlib import nullcontext
-
     from runtime.memory import DeviceMemoryManager, MemoryConfig
+    from runtime.mixed import MixedWorkload
+    from runtime.runtime import Runtime
 
     t0 = time.perf_counter()
     run_scheduler_demo()
     if not (vision or llm):
         return 0
-    # One memory manager for the device, as in the runtime: vision reserves its weights, batch
-    # buffers and activation peak first; the LLM takes its weights and activations, and the
-    # rest becomes KV blocks.
-    memory = DeviceMemoryManager(MemoryConfig(budget_bytes=3 * 2**30))
-    _banner("One device, two workloads: loading")
+    _banner("One Runtime, one device, two workloads: loading")
     t1 = time.perf_counter()
+    vision_config = None
     if vision:
         from runtime.vision.demo import demo_config
-        from runtime.vision.engine import VisionEngine
+        from runtime.vision.ultralytics_import import import_ultralytics
 
-        vision_ctx = VisionEngine(demo_config(), memory=memory)
-    else:
-        vision_ctx = nullcontext(None)
-    with vision_ctx as vision_engine:
-        model = None
-        if llm:
-            from runtime import LLM
-
-            model = LLM(memory=memory)
+        import_ultralytics()
+        vision_config = demo_config()
+    memory = DeviceMemoryManager(MemoryConfig(budget_bytes=3 * 2**30))
+    # Vision reserves its weights, batch buffers and activation peak first; the LLM takes its
+    # weights and activations, and the rest of the budget becomes KV blocks.
+    with Runtime(llm={} if llm else None, vision=vision_config, memory=memory) as rt:
         print(f"loaded in {time.perf_counter() - t1:.1f} s")
         _print_memory(memory)
-        if model is not None:
-            run_llm_demo(model)
-        if vision_engine is not None:
-            from runtime.vision.demo import run_vision_demo
-
-            _banner("Vision: YOLO26n under the dynamic batcher")
-            run_vision_demo(vision_engine)
+        cameras = Cameras(rt) if vision else None
+        if llm:
+            _banner("Chat requests (SmolLM2-135M-Instruct, continuous batching) while cameras stream")
+            workload = MixedWorkload(num_requests=len(CHAT_QUESTIONS), request_rate=2.0, max_tokens=64, llm_deadline_s=30.0)
+            llm_summary = run_llm_part(rt, workload)
+        else:
+            time.sleep(5.0)  # vision alone: let the cameras run a few seconds
+            llm_summary = None
+        frames = cameras.stop() if cameras is not None else None
+        stats = rt.stats()
+    _banner("Latencies, both workloads served at the same time by one Runtime")
+    if llm_summary:
+        ttft, itl = llm_summary["ttft_ms"], llm_summary["itl_ms"]
+        print(f"LLM:    {llm_summary['requests']} requests, TTFT p50 {ttft['p50']:.0f} ms / p99 {ttft['p99']:.0f} ms, "
+              f"inter-token p50 {itl['p50']:.0f} ms / p99 {itl['p99']:.0f} ms, {llm_summary['tokens_per_s']:.1f} tokens/s, "
+              f"deadlines met {llm_summary['deadline_met']:.0%}")  # fmt: skip
+    if frames:
+        lat = frames["latency_ms"]
+        print(f"vision: {frames['completed']}/{frames['frames']} camera frames, frame-to-result p50 "
+              f"{lat['p50']:.0f} ms / p99 {lat['p99']:.0f} ms, {frames['frames_per_s']:.1f} frames/s, "
+              f"deadline ({Cameras.__init__.__defaults__[2] * 1000:.0f} ms) met {frames['deadline_met']:.0%}"
+              + (f", stream errors: {frames['stream_errors']}" if frames["stream_errors"] else ""))  # fmt: skip
+        print("        (yolo26n with random weights: the boxes mean nothing yet; the timings are real)")
+    arb = stats["arbiter"]
+    print(f"arbiter turns {arb['turns']}, reasons {arb['reasons']}")
+    print(f"after close: {memory.stats()['reserved_bytes']} bytes reserved (every reservation released)")
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s")
     return 0
