@@ -34,6 +34,9 @@ def add_bench_arguments(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--out", default="bench_out")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vision-only", action="store_true",
+                   help="instead: images/s of a vision-only Runtime against the standalone VisionEngine")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=5, help="--vision-only: alternating rounds of each")
 
 
 def _llm_config(args) -> dict:
@@ -129,10 +132,65 @@ def _row(name: str, r: MixedReport) -> dict:
     }  # fmt: skip
 
 
+def run_vision_only(args) -> int:
+    """A vision-only Runtime must keep the standalone VisionEngine's images/s (within 5%):
+    the same images, all submitted at once, rounds alternating between the two, medians."""
+    import statistics
+
+    from runtime.runtime import Runtime
+    from runtime.vision.bench import _images, _throughput
+    from runtime.vision.config import VisionConfig
+    from runtime.vision.engine import VisionEngine
+
+    out = Path(args.out)
+    paths = _images(str(out / "bench_images"), 64)
+    config = {"imgsz": 640, "device": "cpu", "batching": {"max_batch_size": 8}}
+    engine = VisionEngine(VisionConfig.from_dict(config))
+    runtime = Runtime(vision=config)
+
+    class _Submit:  # the Runtime behind the engine's submit(), for _throughput
+        submit = staticmethod(runtime.submit_detect)
+
+    rates: dict[str, list[float]] = {"VisionEngine": [], "Runtime (vision only)": []}
+    try:
+        for k in range(args.rounds):
+            rates["VisionEngine"].append(_throughput(engine, paths))
+            rates["Runtime (vision only)"].append(_throughput(_Submit, paths))
+            print(f"round {k + 1}: VisionEngine {rates['VisionEngine'][-1]:.2f}, Runtime "
+                  f"{rates['Runtime (vision only)'][-1]:.2f} images/s", flush=True)  # fmt: skip
+    finally:
+        engine.close()
+        runtime.close()
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    ratio = med["Runtime (vision only)"] / med["VisionEngine"]
+    print(f"median images/s: VisionEngine {med['VisionEngine']:.2f}, Runtime {med['Runtime (vision only)']:.2f}: "
+          f"{ratio:.3f}x (target >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vision_only.json").write_text(json.dumps({"rates": rates, "median": med, "ratio": ratio}, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, values in rates.items():
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=f"{name} (median {med[name]:.1f})")
+    ax.set_xlabel("round")
+    ax.set_ylabel("images/s")
+    ax.set_title(f"vision only: Runtime / VisionEngine = {ratio:.3f}x")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "vision_only.png", dpi=100)
+    print(f"wrote {out / 'vision_only.json'} and {out / 'vision_only.png'}")
+    return 0
+
+
 def run_bench(args) -> int:
     from runtime.vision.ultralytics_import import import_ultralytics
 
     import_ultralytics()
+    if args.vision_only:
+        return run_vision_only(args)
     w = _workload(args)
     print(f"workload: {w.num_requests} chat requests at {w.request_rate}/s (max {w.max_tokens} tokens, deadline "
           f"{w.llm_deadline_s} s) + {w.num_streams} cameras at {w.fps} fps for {w.duration_s} s (deadline "

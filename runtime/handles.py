@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, Future
 from typing import Callable, Iterator
 
 from runtime.llm.outputs import RequestOutput
@@ -143,6 +143,27 @@ class GenerationHandle:
             yield out
             if out.finished:
                 return
+
+    def as_future(self) -> Future:
+        """A concurrent.futures.Future of the final output (for `asyncio.wrap_future`);
+        cancelling it cancels the request."""
+        future: Future = Future()
+
+        def settle(handle: GenerationHandle) -> None:
+            try:
+                out = handle.result(0)
+            except CancelledError:
+                future.cancel()
+            except BaseException as exc:  # noqa: BLE001 - handed to the future
+                if not future.done():
+                    future.set_exception(exc)
+            else:
+                if not future.done():
+                    future.set_result(out)
+
+        future.add_done_callback(lambda f: f.cancelled() and self.cancel())
+        self.add_done_callback(settle)
+        return future
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until done; False if the timeout passed first."""

@@ -90,6 +90,19 @@ def test_streamed_outputs_arrive_as_tokens_and_add_up_to_the_result(rt):
     assert len(outs[-1].token_ids) == 12
 
 
+def test_handles_bridge_to_asyncio(rt):
+    import asyncio
+
+    async def main():
+        handle = rt.submit_generate("Once upon a time", GREEDY)
+        out = await asyncio.wrap_future(handle.as_future())
+        detections = await asyncio.wrap_future(rt.submit_detect(_image(1)))
+        return out, detections
+
+    out, detections = asyncio.run(main())
+    assert len(out.token_ids) == GREEDY.max_tokens and detections.orig_shape == (48, 64)
+
+
 def test_cancel_a_running_and_a_queued_generation_frees_their_blocks(rt):
     baseline = rt.memory.stats()["owners"]
     started = threading.Event()
