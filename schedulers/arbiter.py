@@ -2,15 +2,15 @@
 
 A device has `lanes` that can run at once: the cores of a CPU, or 1 on a GPU, where work
 takes turns. A vision batch runs on one lane (a single-threaded worker per core on a CPU);
-an LLM step runs on the loop thread with the lanes vision leaves as its thread count.
+an LLM step runs on the loop thread.
 
   1. Vision workers serve due batches on their own, on up to `vision_lanes()` lanes: on a
      multi-lane device every lane, so a frame never waits for an LLM step to end; on one
      lane only while the LLM is idle.
-  2. On a multi-lane device `choose()` always lets the LLM step run, on the lanes vision is
-     not using at that moment and one at least: neither workload waits for the other.
-     (A frame that arrives mid-step shares a core with one of the step's threads until the
-     step ends; measured, that costs less than leaving a lane idle for vision.)
+  2. On a multi-lane device `choose()` always lets the LLM step run: neither workload waits
+     for the other. (The Runtime gives the step every core; a vision batch running beside it
+     shares a core with one of its threads. Measured, that costs less than re-sizing the
+     LLM's thread pool from step to step: see runtime/runtime.py.)
   3. On one lane (a GPU) the LLM runs step after step, and a due vision batch goes between
      two steps exactly when one more step first would make it miss its deadline:
          deadline - now - cost(batch) < cost(next LLM step),
@@ -20,7 +20,7 @@ an LLM step runs on the loop thread with the lanes vision leaves as its thread c
      starved either.
 
 Costs come from `LinearCost` models: an LLM step costs a + b*requests + c*tokens (one model
-per lane count it ran with), a vision batch a + b*batch_size. They start from the Runtime's
+per lane count it ran on), a vision batch a + b*batch_size. They start from the Runtime's
 start-up profile and follow what the device really does through `record()` (exponentially
 weighted least squares), so a machine that slows down is seen within a few dozen turns.
 """
@@ -185,8 +185,8 @@ class Arbiter:
         llm_ready = llm is not None and llm.ready
         if not llm_ready:
             return Turn(WAIT, "nothing for the LLM")  # vision serves itself (rule 1)
-        if self.lanes > 1:  # the step takes the lanes vision leaves, one at least: never starved
-            return self._turn(LLM, "LLM step", lanes=max(1, self.lanes - busy_lanes))
+        if self.lanes > 1:  # side by side: the LLM never waits, so it is never starved
+            return self._turn(LLM, "LLM step", lanes=self.lanes)
         if busy_lanes:
             return Turn(WAIT, "vision holds the lane")
         if vision is not None and vision.due_size > 0:

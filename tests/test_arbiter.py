@@ -45,12 +45,12 @@ def test_the_llm_steps_when_it_has_work_and_the_loop_waits_otherwise():
     assert arb.choose(0.0, READY, VisionState(0), busy_lanes=1) == Turn(WAIT, "vision holds the lane")
 
 
-def test_on_several_lanes_vision_takes_any_lane_and_the_llm_steps_on_the_rest():
+def test_on_several_lanes_vision_takes_any_lane_and_the_llm_steps_beside_it():
     arb = _arbiter(lanes=4)
     assert arb.vision_lanes(llm_ready=True) == arb.vision_lanes(llm_ready=False) == 4
     urgent = VisionState(1, oldest_deadline=-1.0)  # no grant needed: vision has its lanes
-    assert arb.choose(0.0, READY, urgent, busy_lanes=1) == Turn(LLM, "LLM step", lanes=3)
-    assert arb.choose(0.0, READY, urgent, busy_lanes=4) == Turn(LLM, "LLM step", lanes=1)  # never starved
+    assert arb.choose(0.0, READY, urgent, busy_lanes=1) == Turn(LLM, "LLM step", lanes=4)
+    assert arb.choose(0.0, READY, urgent, busy_lanes=4) == Turn(LLM, "LLM step", lanes=4)  # never starved
     assert arb.choose(0.0, LLMState(ready=False), urgent, busy_lanes=0).kind == WAIT
 
 
