@@ -25,18 +25,56 @@ def _int_list(text: str) -> list[int]:
 
 def _add_llm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight and KV cache type")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + answer in tokens (default: the model's, capped at 2048)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default: 16 on CPU, 256 on GPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: 256 on CPU, 2048 on GPU)")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    p.add_argument("--min-tokens", type=int, default=0, help="tokens to generate before EOS or a stop token may end")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 makes tokens of the prompt and answer less likely (1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from tokens already generated, in [-2, 2] (0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per earlier occurrence in the answer, in [-2, 2] (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="per-request seed, for repeatable sampling")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the answer at TEXT (not printed); repeat for several")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help that shows each flag's default, unless the help already says it or it is unset."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or any(
+            action.default is v for v in (None, False, argparse.SUPPRESS)
+        ):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"tandem {version('tandem')}"
+    except PackageNotFoundError:
+        return "tandem (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="LLM and YOLO serving on one device.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
+    defaults = _DefaultsFormatter
 
     p = sub.add_parser("simulate", help="static vs continuous batching on the real schedulers (no model)")
     p.add_argument("--lengths", type=_int_list, default=[5, 50, 8, 12, 40, 3, 30, 7], help="output lengths, e.g. 5,50,8")
@@ -46,15 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-vision", action="store_true")
     p.add_argument("--skip-llm", action="store_true")
 
-    p = sub.add_parser("generate", help="generate from a prompt, streaming the text")
-    p.add_argument("prompt")
+    p = sub.add_parser("generate", help="generate from a prompt, streaming the text", formatter_class=defaults)
+    p.add_argument("prompt", help="the prompt, or - to read it from standard input")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     _add_llm_arguments(p)
 
-    p = sub.add_parser("chat", help="interactive chat")
+    p = sub.add_parser("chat", help="interactive chat", formatter_class=defaults)
     _add_llm_arguments(p)
 
-    p = sub.add_parser("detect", help="YOLO detection over images, directories, lists, videos or .streams")
+    p = sub.add_parser("detect", help="YOLO detection over images, directories, lists, videos or .streams",
+                       formatter_class=defaults)
     add_detect_arguments(p)
 
     bench = sub.add_parser("bench", help="benchmarks, with peers measured in the same run").add_subparsers(

@@ -24,21 +24,24 @@ def _in_memory(value: Any) -> bool:
     return type(value).__module__ in ("numpy",) or type(value).__module__.startswith("PIL.")
 
 
-def load_source(source: Any, vid_stride: int = 1, stream_config: StreamConfig | None = None) -> FrameSource:
-    """The FrameSource for `source`; SourceError names what is wrong if it cannot start."""
+def load_source(
+    source: Any, vid_stride: int = 1, stream_config: StreamConfig | None = None, start_streams: bool = True
+) -> FrameSource:
+    """The FrameSource for `source`; SourceError names what is wrong if it cannot start.
+    `start_streams=False`: live streams start reading at the first iteration (or start())."""
     if isinstance(source, (list, tuple)) and source and all(_in_memory(s) for s in source):
         return ArraySource(source)
     if _in_memory(source):
         return ArraySource([source])
     if isinstance(source, int) and not isinstance(source, bool):
-        return StreamsSource(str(source), stream_config)
+        return StreamsSource(str(source), stream_config, start=start_streams)
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if isinstance(source, str):
         if not source.strip():
             raise SourceError("source is an empty string")
         if source.endswith(".streams") or is_stream_url(source) or source.isdigit():
-            return StreamsSource(source, stream_config)
+            return StreamsSource(source, stream_config, start=start_streams)
         return FileSource(source, vid_stride)
     if isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, os.PathLike)) for s in source):
         return FileSource(source, vid_stride)

@@ -60,6 +60,10 @@ class StreamHealth:
 class StreamReader:
     """Reads `url` on a daemon thread into a one-frame slot or a bounded FIFO.
 
+    The thread starts with start(), not on construction, so a consumer can build its model
+    first: a reader started early fills its slot while nobody takes, and with newest-only
+    the first frames of a clip are gone before the detector sees any.
+
     `cond` is shared by all readers of a source so a consumer can wait for any of them.
     The thread is a daemon because a blocking FFmpeg read cannot be interrupted; close()
     stops it at the next frame or timeout and never waits longer than `join_s`.
@@ -77,7 +81,11 @@ class StreamReader:
         self.last_frame_at: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"stream-{stream}", daemon=True)
-        self._thread.start()
+
+    def start(self) -> None:
+        """Start reading; a second call, or one after close(), does nothing."""
+        if not self._thread.is_alive() and self._thread.ident is None and not self._stop.is_set():
+            self._thread.start()
 
     # -- consumer side (call with cond held) --
     def take(self) -> Frame | None:
@@ -104,7 +112,8 @@ class StreamReader:
         self.join(join_s)
 
     def join(self, timeout: float) -> None:
-        self._thread.join(timeout=timeout)
+        if self._thread.ident is not None:  # never started: nothing to wait for
+            self._thread.join(timeout=timeout)
 
     @property
     def alive(self) -> bool:
@@ -155,7 +164,8 @@ class StreamReader:
                 self.last_error = f"stream {self.stream} ({self.url}): {type(exc).__name__}: {exc}"
                 give_up = self.config.max_retries is not None and failures > self.config.max_retries
                 if failures == 1 or give_up:  # report going down once, not every retry
-                    self._on_error(Frame(self.url, error=self.last_error, stream=self.stream))
+                    final = f"{self.last_error} (gave up after {failures - 1} retries)" if give_up else self.last_error
+                    self._on_error(Frame(self.url, error=final, stream=self.stream))
                 if give_up:
                     self._set_state("failed")
                     return
@@ -187,6 +197,8 @@ class StreamReader:
             cap = cv2.VideoCapture(target, cv2.CAP_FFMPEG, params)
         try:
             if not cap.isOpened():
+                if isinstance(target, int):
+                    raise ConnectionError(f"cannot open webcam {target}: no such camera here, or it is busy")
                 raise ConnectionError(f"cannot open {target!r} within {c.open_timeout_s:g} s")
             fps = cap.get(cv2.CAP_PROP_FPS)
             period = 1.0 / fps if pace and c.pace_files and 0 < fps < 1000 else 0.0

@@ -56,7 +56,9 @@ def parse_streams_file(path: str) -> list[str]:
 class StreamsSource:
     kind = "streams"
 
-    def __init__(self, source: str | Sequence[str], config: StreamConfig | None = None) -> None:
+    def __init__(self, source: str | Sequence[str], config: StreamConfig | None = None, start: bool = True) -> None:
+        """`start=False` defers reading until start() or the first iteration, so frames read
+        while the consumer is still loading its model are not dropped."""
         self.config = config or StreamConfig()
         if isinstance(source, str):
             urls = parse_streams_file(source) if source.endswith(".streams") else [source]
@@ -69,6 +71,13 @@ class StreamsSource:
         self._errors: deque[Frame] = deque(maxlen=4 * len(urls))  # bounded even if nobody reads
         self._closed = False
         self.readers = [StreamReader(i, u, self.config, self._cond, self._report) for i, u in enumerate(urls)]
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start every reader thread (idempotent)."""
+        for r in self.readers:
+            r.start()
 
     @property
     def total(self) -> None:
@@ -91,6 +100,7 @@ class StreamsSource:
         one (the newest, or the oldest of its FIFO). Waits up to `timeout` seconds (None:
         until something arrives or every stream has ended); [] on timeout or at the end."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self.start()
         with self._cond:
             while not (self._errors or any(r.has_frame() for r in self.readers) or self._finished()):
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -134,6 +144,7 @@ class StreamsSource:
             now = time.monotonic()
             return predicate([r.health(now) for r in self.readers])
 
+        self.start()
         with self._cond:
             self._cond.wait_for(lambda: self._closed or holds(), timeout)
             return holds()

@@ -43,7 +43,7 @@ def folder(tmp_path):
 def test_directory_with_video_and_a_broken_file(capsys, folder, tmp_path_factory):
     save = tmp_path_factory.mktemp("save")
     code, lines, err = _run(capsys, str(folder), "--vid-stride", "2", "--save", str(save))
-    assert code == 0 and "RANDOM weights" in err
+    assert code == 3 and "RANDOM weights" in err
     assert [(os.path.basename(x["source"]), x["frame"]) for x in lines] == [
         ("broken.png", 0), ("bus.jpg", 0), ("clip.mp4", 0), ("clip.mp4", 2), ("clip.mp4", 4), ("zidane.jpg", 0)]
     assert "cannot decode" in lines[0]["error"] and lines[0]["boxes"] == []
@@ -73,7 +73,7 @@ def test_batching_flags_reach_the_engine(capsys, folder, monkeypatch):
 def test_glob_txt_list_and_single_image(capsys, folder):
     (folder / "list.txt").write_text("bus.jpg\nmissing.jpg\n")
     code, lines, _ = _run(capsys, str(folder / "list.txt"))
-    assert code == 0 and lines[0]["error"] is None and "line 2" in lines[1]["error"]
+    assert code == 3 and lines[0]["error"] is None and "line 2" in lines[1]["error"]
     code, lines, _ = _run(capsys, str(folder / "*.jpg"), "--max-frames", "1")
     assert code == 0 and len(lines) == 1
     code, lines, _ = _run(capsys, str(folder / "broken.png"))
@@ -85,7 +85,7 @@ def test_streams_with_a_dead_one_and_max_frames(capsys, tmp_path):
         f = tmp_path / "cams.streams"
         f.write_text(f"{a.url}\n{dead_url()}\n{b.url}\n")
         code, lines, _ = _run(capsys, str(f), "--max-frames", "12")
-    assert code == 0 and len(lines) == 12
+    assert code == 3 and len(lines) == 12
     errors = [x for x in lines if x["error"]]
     assert len(errors) == 1 and "refused" in errors[0]["error"].lower()
     assert {x["source"] for x in lines if not x["error"]} == {a.url, b.url}

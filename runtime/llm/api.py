@@ -101,13 +101,21 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict] | list[list[dict]],
+        messages: str | list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or several, through the
-        model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        """One conversation (a list of {"role", "content"} dicts, or a string: one user
+        message) or several, through the model's chat template."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if not isinstance(messages, (list, tuple)) or not messages or isinstance(messages[0], str):
+            raise ValueError(
+                "messages must be a string (one user message), a list of {'role', 'content'} dicts "
+                f"or a list of such lists, got {type(messages).__name__}"
+                + (" of strings" if isinstance(messages, (list, tuple)) and messages else "")
+            )
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(conv) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

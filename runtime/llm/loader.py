@@ -74,13 +74,86 @@ def _cache_root(cache_dir: str | None) -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "tandem", "models")
 
 
+_INDEX = "index.json"  # source path -> (size, mtime) -> content digest, so a file is hashed once
+
+
+def _hash_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_index(root: str) -> dict:
+    try:
+        with open(os.path.join(root, _INDEX)) as f:
+            index = json.load(f)
+        return index if isinstance(index, dict) else {}
+    except (OSError, ValueError):
+        return {}  # a missing or damaged index only costs a re-hash
+
+
+def _write_index(root: str, index: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".index-", dir=root)
+    with os.fdopen(fd, "w") as f:
+        json.dump(index, f, indent=1)
+    os.replace(tmp, os.path.join(root, _INDEX))  # atomic: a concurrent reader sees old or new
+
+
 def _gguf_cache_dir(gguf_path: str, cache_dir: str | None) -> str:
-    st = os.stat(gguf_path)
-    # Path + size + mtime: a replaced file gets a fresh conversion without hashing gigabytes.
-    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    name = os.path.splitext(os.path.basename(gguf_path))[0]
-    return os.path.join(_cache_root(cache_dir), f"{name}-{digest}")
+    """The converted folder for `gguf_path`, keyed on its content (size + SHA-256), so every
+    clone or copy of one model shares one conversion.
+
+    Hashing SmolLM2's 270 MB takes about a second, so the digest is remembered per path,
+    size and mtime in the cache's index.json, and only a new or changed file is hashed. When
+    a path's content changes, the conversion of its old content is removed unless another
+    path still has it: one copy per model, not one per version ever seen."""
+    root = _cache_root(cache_dir)
+    os.makedirs(root, exist_ok=True)
+    path = os.path.abspath(gguf_path)
+    st = os.stat(path)
+    index = _read_index(root)
+    entry = index.get(path)
+    if isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+        digest = entry["digest"]
+    else:
+        digest = _hash_file(path)
+    name = os.path.splitext(os.path.basename(path))[0]
+    folder = f"{name}-{st.st_size}-{digest[:16]}"
+    index[path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digest, "folder": folder}
+    stale = {entry.get("folder")} if isinstance(entry, dict) and entry.get("folder") != folder else set()
+    stale -= {e.get("folder") for e in index.values() if isinstance(e, dict)}
+    for n in stale - {None}:
+        shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+    _write_index(root, index)
+    out = os.path.join(root, folder)
+    _adopt_legacy(path, st, root, name, out)
+    return out
+
+
+def _adopt_legacy(path: str, st: os.stat_result, root: str, name: str, out: str) -> None:
+    """A conversion made under the old key (absolute path + size + mtime) becomes the new
+    folder by hard links: no second conversion and no second copy on disk. The old folder
+    stays, sharing the same bytes, since a process started earlier may still read it."""
+    if _is_hf_folder(out):
+        return
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+    legacy = os.path.join(root, f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    if not _is_hf_folder(legacy):
+        return
+    tmp = tempfile.mkdtemp(prefix=".adopting-", dir=root)
+    try:
+        for n in os.listdir(legacy):
+            src = os.path.join(legacy, n)
+            if os.path.isfile(src):
+                try:
+                    os.link(src, os.path.join(tmp, n))
+                except OSError:  # a file system without hard links
+                    shutil.copy2(src, os.path.join(tmp, n))
+        os.rename(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # converting instead is slow but correct
 
 
 def convert_gguf(gguf_path: str, out_dir: str) -> str:
@@ -131,12 +204,12 @@ def resolve_hf_dir(model: str | None, cache_dir: str | None = None) -> tuple[str
     if model is None:
         model = default_model_path()
     if not isinstance(model, str) or not model:
-        raise ValueError(f"model must be a local folder or .gguf file path (or None for the default), got {model!r}")
+        raise ValueError(f"model must be a local folder or .gguf file path (leave it out for the default), got {model!r}")
     path = os.path.expanduser(model)
     if not os.path.exists(path):
         raise ValueError(
             f"model={model!r} is not a local path; Tandem never downloads models: pass a folder with "
-            f"config.json + *.safetensors, a .gguf file, or None for the default SmolLM2"
+            f"config.json + *.safetensors or a .gguf file, or leave it out for the default SmolLM2"
         )
     if os.path.isdir(path) and _is_hf_folder(path):
         return path, os.path.basename(os.path.normpath(path))

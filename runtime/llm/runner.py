@@ -51,6 +51,7 @@ class _RequestState:
     seed: int | None
     min_tokens: int
     stop_ids: list[int]  # suppressed while fewer than min_tokens outputs exist
+    penalized: bool = False  # has a row in sampler.penalties
 
 
 class ModelRunner:
@@ -123,7 +124,7 @@ class ModelRunner:
         if release_state_dict:
             loaded.state_dict = {}  # the model holds (fused copies of) every weight now
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
-        self.sampler = Sampler()
+        self.sampler = Sampler(spec.vocab_size, self.device)
         self.requests: dict[str, _RequestState] = {}
         self.last_logits: torch.Tensor | None = None  # the last step's logits, for tests and debugging
 
@@ -140,6 +141,7 @@ class ModelRunner:
         self.kv_caches = []
         self.last_logits = None
         self.requests.clear()
+        self.sampler.penalties.clear()
 
     def drop_requests(self, request_ids: Iterable[str]) -> None:
         """Forget the state of `request_ids` (unknown ids are fine): the engine's cleanup after
@@ -147,6 +149,7 @@ class ModelRunner:
         requests = self.requests
         for rid in request_ids:
             requests.pop(rid, None)
+            self.sampler.penalties.remove(rid)
 
     def _activation_bytes(self, max_num_seqs: int, max_tokens: int) -> int:
         """An upper estimate of one step's temporaries, so the KV pool leaves room for them."""
@@ -177,7 +180,11 @@ class ModelRunner:
             seed=sp.seed if sp is not None else None,
             min_tokens=sp.min_tokens if sp is not None else 0,
             stop_ids=stop_ids,
+            penalized=sp is not None and sp.has_penalties,
         )
+        if sp is not None and sp.has_penalties:
+            self.sampler.penalties.add(nr.request_id, list(nr.token_ids), nr.num_prompt_tokens,
+                                       sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -186,6 +193,7 @@ class ModelRunner:
         requests = self.requests
         for rid in plan.freed_req_ids:
             requests.pop(rid, None)
+            self.sampler.penalties.remove(rid)
         for nr in plan.new_requests:
             self._add_request(nr)
         if not plan.req_ids:
@@ -258,14 +266,15 @@ class ModelRunner:
         out: list[list[int]] = [[] for _ in plan.req_ids]
         if logits is None:
             return StepResult(sampled_token_ids=out)
-        tokens = self.sampler(logits, self._sampling_batch([states[i] for i in sample_idx])).tolist()
+        batch = self._sampling_batch([states[i] for i in sample_idx], [plan.req_ids[i] for i in sample_idx])
+        tokens = self.sampler(logits, batch).tolist()
         for i, tok in zip(sample_idx, tokens):
             states[i].token_ids.append(tok)
             out[i] = [tok]
         return StepResult(sampled_token_ids=out)
 
     @staticmethod
-    def _sampling_batch(states: list[_RequestState]) -> SamplingBatch:
+    def _sampling_batch(states: list[_RequestState], request_ids: list[str]) -> SamplingBatch:
         suppress: list[tuple[int, list[int]]] = []
         seeds: list[int | None] = []
         for row, st in enumerate(states):
@@ -279,4 +288,5 @@ class ModelRunner:
             top_p=[st.top_p for st in states],
             seeds=seeds,
             suppress=suppress,
+            penalized=[(row, rid) for row, (rid, st) in enumerate(zip(request_ids, states)) if st.penalized],
         )

@@ -1,4 +1,5 @@
-"""Batched next-token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens.
+"""Batched next-token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens,
+repetition / presence / frequency penalties.
 
 One pass over the [num_rows, vocab] logits for the whole batch; no loop over tokens.
 
@@ -15,6 +16,11 @@ A seeded row draws its u from its own generator, re-seeded from (seed, output in
 every token: one draw per sampled token, so its tokens are the same whatever else shares the
 batch, and even when a preemption replays the request. Unseeded rows share one draw from
 torch's global generator.
+
+Penalties read per-request token statistics kept on the device (PenaltyState): which tokens
+the prompt and output hold, and how often each was sampled. They are applied to the logits
+first (before min_tokens and temperature) and updated from the sampled tokens on the device,
+so they add no host sync and no Python loop over tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class SamplingBatch:
     seeds: list[int | None]  # already mixed with the output index (row_seed); None = unseeded
     # (row, token ids) pairs whose logits become -inf: stop tokens before min_tokens outputs.
     suppress: list[tuple[int, list[int]]] = field(default_factory=list)
+    # (row, request id) for rows whose request has penalties (PenaltyState knows its stats).
+    penalized: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def all_greedy(self) -> bool:
@@ -66,12 +74,102 @@ def _thresholds(sorted_probs: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) 
     return torch.where((ks > 0) | (ps < 1.0), smallest, 0.0)
 
 
+class PenaltyState:
+    """Per-request token statistics for the penalties, one row ("slot") per request that
+    has any, in tensors on the logits' device:
+
+        seen    [slots, vocab] bool     token is in the prompt or the output (repetition)
+        counts  [slots, vocab] float32  times the token was sampled (presence, frequency)
+        rep, presence, frequency  [slots]  the request's parameters
+
+    Rows are allocated on add() and reused after remove(); the tensors double when full.
+    Only requests with penalties take a row, so others cost nothing.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._slot: dict[str, int] = {}
+        self._free: list[int] = []
+        self._alloc(0)
+
+    def _alloc(self, capacity: int) -> None:
+        old = getattr(self, "seen", None)
+        n, v, dev = capacity, self.vocab_size, self.device
+        seen = torch.zeros(n, v, dtype=torch.bool, device=dev)
+        counts = torch.zeros(n, v, dtype=torch.float32, device=dev)
+        params = torch.zeros(3, n, dtype=torch.float32, device=dev)  # repetition, presence, frequency
+        if old is not None and old.shape[0]:
+            k = old.shape[0]
+            seen[:k], counts[:k], params[:, :k] = self.seen, self.counts, self.params
+        self.seen, self.counts, self.params = seen, counts, params
+        self._free.extend(range(n - 1, (old.shape[0] if old is not None else 0) - 1, -1))
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def add(self, request_id: str, token_ids: list[int], num_prompt_tokens: int, repetition: float,
+            presence: float, frequency: float) -> None:
+        """Start tracking a request from its tokens so far (a replayed request brings its
+        earlier outputs, which count as sampled)."""
+        if request_id in self._slot:
+            self.remove(request_id)
+        if not self._free:
+            self._alloc(max(4, 2 * self.seen.shape[0]))
+        slot = self._free.pop()
+        self._slot[request_id] = slot
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        self.seen[slot].zero_()
+        self.seen[slot, ids] = True
+        self.counts[slot].zero_()
+        out = ids[num_prompt_tokens:]
+        self.counts[slot].index_add_(0, out, torch.ones(out.shape[0], device=self.device))
+        self.params[:, slot] = torch.tensor([repetition, presence, frequency], device=self.device)
+
+    def remove(self, request_id: str) -> None:
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def clear(self) -> None:
+        for rid in list(self._slot):
+            self.remove(rid)
+
+    def slots(self, request_ids: list[str]) -> torch.Tensor:
+        return torch.tensor([self._slot[rid] for rid in request_ids], dtype=torch.long, device=self.device)
+
+    def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Penalized copy of `logits` [len(slots), vocab]."""
+        rep, presence, frequency = (p.unsqueeze(1) for p in self.params[:, slots])
+        seen, counts = self.seen[slots], self.counts[slots]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        return logits - frequency * counts - presence * (counts > 0)
+
+    def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count the tokens just sampled, on the device (no host sync)."""
+        self.counts.index_put_((slots, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
+        self.seen[slots, token_ids] = True
+
+
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int = 0, device: torch.device | str = "cpu") -> None:
         self._generator = torch.Generator()
+        self.penalties = PenaltyState(vocab_size, device)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [rows, vocab] float32 (left unchanged); returns token ids [rows] int64."""
+        pen_rows = pen_slots = None
+        if batch.penalized:
+            pen_rows = torch.tensor([r for r, _ in batch.penalized], dtype=torch.long, device=logits.device)
+            pen_slots = self.penalties.slots([rid for _, rid in batch.penalized])
+            logits = logits.clone()
+            logits[pen_rows] = self.penalties.apply(logits[pen_rows], pen_slots)
+        tokens = self._sample(logits, batch)
+        if pen_rows is not None:
+            self.penalties.record(pen_slots, tokens[pen_rows])
+        return tokens
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.suppress:
             logits = logits.clone()
             rows = [r for r, toks in batch.suppress for _ in toks]

@@ -18,6 +18,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # As in vLLM. repetition: logits of tokens in the prompt or the output are divided by it
+    # (multiplied when negative), as Hugging Face does; 1 = off. presence / frequency: subtracted
+    # once per token present in the output / once per occurrence there; 0 = off.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -44,6 +50,17 @@ class SamplingParams:
         ):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0 < rp < float("inf"):
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off, > 1 discourages repeats), got {rp!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {v!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def greedy(self) -> bool:

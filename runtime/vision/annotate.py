@@ -33,6 +33,19 @@ def draw(image: np.ndarray, det: Detections) -> np.ndarray:
     return out
 
 
+def numbered_dir(directory: str) -> str:
+    """`directory` if it is missing or empty, else the first of directory2, directory3, ...
+    that is: a second run never overwrites the first one's files (Ultralytics numbers its
+    run folders the same way)."""
+    path = directory.rstrip("/\\") or directory
+    n = 1
+    candidate = path
+    while os.path.exists(candidate) and (not os.path.isdir(candidate) or os.listdir(candidate)):
+        n += 1
+        candidate = f"{path}{n}"
+    return candidate
+
+
 class AnnotatedWriter:
     """Images go to DIR/<name>; frames of a video or stream go to DIR/<name>.mp4, one writer
     per source, opened on its first frame and closed by close()."""
@@ -42,6 +55,7 @@ class AnnotatedWriter:
         self.directory = directory
         self.fps = fps
         self._videos: dict[str, cv2.VideoWriter] = {}
+        self._names: dict[tuple[str, int | None], str] = {}  # (source, stream) -> its file name
         self.written: list[str] = []
 
     def _name(self, frame: Frame) -> tuple[str, bool]:
@@ -54,11 +68,28 @@ class AnnotatedWriter:
             return os.path.splitext(base)[0] + ".mp4", True
         return base if "." in base else base + ".jpg", False
 
+    def _unique_name(self, frame: Frame) -> tuple[str, bool]:
+        """The file name for frame's source, made unique in this run: two inputs called
+        bus.jpg from different folders give bus.jpg and bus_2.jpg, not one overwritten file."""
+        name, is_video = self._name(frame)
+        key = (frame.source, frame.stream)
+        known = self._names.get(key)
+        if known is not None:
+            return known, is_video
+        taken = set(self._names.values())
+        stem, ext = os.path.splitext(name)
+        n = 1
+        while name in taken:
+            n += 1
+            name = f"{stem}_{n}{ext}"
+        self._names[key] = name
+        return name, is_video
+
     def write(self, frame: Frame, det: Detections) -> None:
         if frame.image is None:
             return
         image = draw(frame.image, det)
-        name, is_video = self._name(frame)
+        name, is_video = self._unique_name(frame)
         path = os.path.join(self.directory, name)
         if not is_video:
             cv2.imwrite(path, image)

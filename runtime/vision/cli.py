@@ -4,10 +4,11 @@
     tandem detect images/ --save out/ --imgsz 320
     tandem detect cams.streams --max-frames 100
 
-stdout carries only the JSON lines (pipe them anywhere); the progress bar, the model note
-and errors that stop the run go to stderr. Exit codes: 0 the run completed (per-input
-errors are in the lines), 1 every input failed, 2 bad arguments or a source that cannot
-start, 130 interrupted.
+stdout carries only the JSON lines, each printed as soon as its frame is done (pipe them
+anywhere); the progress bar, the model note, the summary and errors that stop the run go to
+stderr. Exit codes: 0 every input succeeded, 1 every input failed, 2 bad arguments or a
+source that cannot start, 3 some inputs failed (their lines carry the error), 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -17,26 +18,36 @@ import json
 import sys
 from collections import deque
 from concurrent.futures import Future
+from typing import Iterator
+
+EXIT_OK, EXIT_ALL_FAILED, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+_IDLE_S = 0.05  # how often a stream run with nothing arriving prints the results that are done
 
 
 def add_detect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="image, directory, glob, .txt list, video, .streams file, stream URL or webcam index")
-    parser.add_argument("--model", default="yolo26n.yaml", help="model .yaml (random weights) or .pt checkpoint")
+    parser.add_argument("--model", default="yolo26n.yaml",
+                        help="a model .yaml (random weights) or a local .pt checkpoint; nothing is downloaded")
     parser.add_argument("--imgsz", type=int, default=640, help="letterbox size, a multiple of 32")
     parser.add_argument("--conf", type=float, default=0.25, help="confidence threshold")
     parser.add_argument("--iou", type=float, default=0.7, help="NMS IoU threshold (non end-to-end heads)")
-    parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--max-queue-delay-ms", type=float, default=5.0)
+    parser.add_argument("--max-batch-size", type=int, default=8, help="most frames in one forward pass")
+    parser.add_argument("--max-queue-delay-ms", type=float, default=5.0,
+                        help="how long a frame may wait for others to fill its batch")
     parser.add_argument("--vid-stride", type=int, default=1, help="run every n-th video frame")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="float32 matches Ultralytics; bfloat16 (CPU with AMX/AVX512-BF16) is faster "
                              "but its boxes can differ: validate it on your weights")
     parser.add_argument("--max-frames", type=int, default=None,
-                        help="stop after this many input frames, error entries included (for streams)")
-    parser.add_argument("--save", metavar="DIR", default=None, help="write annotated images / videos here")
+                        help="stop after this many output lines, error lines included (for streams)")
+    parser.add_argument("--save", metavar="DIR", default=None,
+                        help="write annotated images / videos to DIR, or to DIR2, DIR3, ... if DIR holds files")
     parser.add_argument("--stream-buffer", type=int, default=0,
                         help="0: newest frame per stream only; n: a FIFO of n frames per stream")
+    parser.add_argument("--stream-retries", type=int, default=3,
+                        help="reconnects a stream gets after it goes down before it counts as dead (-1: forever); "
+                             "a run whose streams are all dead or ended stops")
     parser.add_argument("--no-profile", action="store_true", help="skip the start-up batch-size profiling")
 
 
@@ -50,11 +61,27 @@ def _line(frame, det=None, error: str | None = None) -> str:
     return json.dumps(out)
 
 
+def _quiet_opencv() -> None:
+    """OpenCV logs every failed open of a camera or stream itself, several lines each time;
+    the error lines already say what failed, once. (The CLI's choice: the library leaves
+    OpenCV's logging alone.)"""
+    import cv2
+
+    try:
+        cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
+    except AttributeError:  # an OpenCV build without the logging module
+        pass
+
+
 def run_detect(args: argparse.Namespace) -> int:
+    from runtime.llm.cli import device_problem
     from runtime.vision.config import VisionConfig, vision_batching
     from sources import SourceError, StreamConfig, load_source
 
     try:
+        problem = device_problem("--device", args.device)
+        if problem:
+            raise ValueError(problem)
         batching = vision_batching(max_batch_size=args.max_batch_size, max_queue_delay_ms=args.max_queue_delay_ms)
         config = VisionConfig(
             model=args.model, imgsz=args.imgsz, conf=args.conf, iou=args.iou, device=args.device,
@@ -62,23 +89,52 @@ def run_detect(args: argparse.Namespace) -> int:
         )
         if args.max_frames is not None and args.max_frames < 1:
             raise ValueError(f"--max-frames must be >= 1, got {args.max_frames}")
-        source = load_source(args.source, vid_stride=args.vid_stride, stream_config=StreamConfig(buffer=args.stream_buffer))
+        if args.stream_retries < -1:
+            raise ValueError(f"--stream-retries must be >= 0, or -1 for forever, got {args.stream_retries}")
+        stream_config = StreamConfig(
+            buffer=args.stream_buffer, max_retries=None if args.stream_retries == -1 else args.stream_retries
+        )
+        # Streams start reading once the model is ready: frames read before would be dropped.
+        source = load_source(args.source, vid_stride=args.vid_stride, stream_config=stream_config, start_streams=False)
     except (ValueError, SourceError) as exc:
         print(f"tandem detect: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    _quiet_opencv()
     try:
         return _detect(args, config, source)
     except KeyboardInterrupt:
         print("tandem detect: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         source.close()
+
+
+def _frames(source) -> Iterator[object]:
+    """The source's frames, with a None whenever a live source has had nothing for _IDLE_S, so
+    the caller can print finished results while it waits for frames."""
+    if not hasattr(source, "next_batch"):
+        yield from source
+        return
+    source.start()
+    while True:
+        batch = source.next_batch(timeout=_IDLE_S)
+        if not batch:
+            if source.finished:
+                return
+            yield None
+        yield from batch
+
+
+def exit_code(num_ok: int, num_failed: int) -> int:
+    if num_failed == 0:
+        return EXIT_OK
+    return EXIT_ALL_FAILED if num_ok == 0 else EXIT_SOME_FAILED
 
 
 def _detect(args: argparse.Namespace, config, source) -> int:
     from tqdm import tqdm
 
-    from runtime.vision.annotate import AnnotatedWriter
+    from runtime.vision.annotate import AnnotatedWriter, numbered_dir
     from runtime.vision.engine import VisionEngine
     from schedulers import QueueFullError
 
@@ -86,50 +142,53 @@ def _detect(args: argparse.Namespace, config, source) -> int:
         engine = VisionEngine(config)
     except (OSError, ValueError) as exc:
         print(f"tandem detect: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     preferred = list(engine.preferred_batch_sizes) or "none (max_batch_size or max_queue_delay_ms releases)"
     print(f"tandem detect: model {engine.runner.description}; preferred batch sizes {preferred}", file=sys.stderr)
     finite = source.total is not None or source.kind != "streams"
     bar = tqdm(total=source.total, unit="frame", file=sys.stderr, disable=not finite)
-    writer = AnnotatedWriter(args.save) if args.save else None
+    writer = AnnotatedWriter(numbered_dir(args.save)) if args.save else None
     window: deque[tuple[object, Future | None]] = deque()
     limit = 4 * config.batching.max_batch_size  # frames in flight: enough to fill batches, bounded memory
-    emitted = ok = 0
+    counts = {"ok": 0, "failed": 0}
 
     def emit_oldest() -> None:
-        nonlocal emitted, ok
         frame, future = window.popleft()
-        if future is None:
-            line = _line(frame, error=frame.error)
-        else:
+        det, error = None, frame.error
+        if future is not None:
             try:
                 det = future.result()
             except Exception as exc:  # noqa: BLE001 - the error belongs to this input's line
-                line = _line(frame, error=str(exc))
+                error = str(exc)
             else:
-                line = _line(frame, det)
-                ok += 1
                 if writer is not None:
                     writer.write(frame, det)
-        print(line, flush=True)
-        emitted += 1
+        counts["failed" if error else "ok"] += 1
+        print(_line(frame, det, error), flush=True)
         bar.update(1)
 
+    def emit_done() -> None:
+        # In input order: a line waits only for the frames before it, never for a full window.
+        while window and (window[0][1] is None or window[0][1].done()):
+            emit_oldest()
+
     try:
-        for frame in source:
-            if args.max_frames is not None and emitted + len(window) >= args.max_frames:
-                break
-            future = None
-            if frame.error is None:
-                while True:
-                    try:
-                        future = engine.submit(frame)
-                        break
-                    except QueueFullError:
-                        emit_oldest()
-            window.append((frame, future))
-            while len(window) > limit:
-                emit_oldest()
+        for frame in _frames(source):
+            if frame is not None:
+                if args.max_frames is not None and sum(counts.values()) + len(window) >= args.max_frames:
+                    break
+                future = None
+                if frame.error is None:
+                    while True:
+                        try:
+                            future = engine.submit(frame)
+                            break
+                        except QueueFullError:
+                            emit_oldest()
+                window.append((frame, future))
+                while len(window) > limit:
+                    emit_oldest()
+            emit_done()
         while window:
             emit_oldest()
     finally:
@@ -137,7 +196,10 @@ def _detect(args: argparse.Namespace, config, source) -> int:
         engine.close(drain=False)
         if writer is not None:
             writer.close()
-    return 0 if ok or emitted == 0 else 1
+    ok, failed = counts["ok"], counts["failed"]
+    saved = f"; annotated output in {writer.directory}" if writer is not None else ""
+    print(f"tandem detect: {ok + failed} frames, {ok} ok, {failed} failed{saved}", file=sys.stderr)
+    return exit_code(ok, failed)
 
 
 def main(argv: list[str] | None = None) -> int:
