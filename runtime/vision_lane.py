@@ -46,7 +46,7 @@ class VisionLane:
         self.workers, self.threads = c.threads()
         self.runner = _in_thread(lambda: YoloRunner(c, None, memory, workers=self.workers), self.threads)
         try:
-            batching, self.profile_rates = profiled_batching(self.runner, c, self.threads)
+            batching, self.profile_rates = profiled_batching(self.runner, c, self.threads, cache=True)
         except BaseException:
             self.runner.release_memory()
             raise

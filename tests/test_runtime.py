@@ -252,8 +252,9 @@ def test_on_several_lanes_vision_runs_beside_llm_steps(tiny_llama_dir, monkeypat
             return real_infer(prepared)
 
         monkeypatch.setattr(runtime.vision.runner, "infer", held_infer)
-        held = [runtime.submit_detect(_image(k)) for k in range(2)]
-        for _ in held:  # both lanes run vision, mid-generation
+        held = []
+        for k in range(2):  # one at a time, so each is a batch of its own: both lanes run vision
+            held.append(runtime.submit_detect(_image(k)))
             assert entered.acquire(timeout=SAFETY_S)
         steps = runtime.stats()["llm"]["steps"]
         tokens = []
