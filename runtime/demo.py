@@ -8,11 +8,6 @@ from __future__ import annotations
 import time
 
 SEED_LENGTHS = [5, 50, 8, 12, 40, 3, 30, 7]
-CHAT_QUESTIONS = [
-    "What is the capital of France?", "Give me three tips for a good night's sleep.", "Write a haiku about autumn.",
-    "What is the boiling point of water in Celsius?", "Explain in one sentence what a GPU is.",
-    "Name two planets larger than Earth.",
-]  # fmt: skip
 
 
 def _banner(title: str) -> None:
@@ -125,7 +120,8 @@ def run_demo(vision: bool = True, llm: bool = True) -> int:
         cameras = Cameras(rt) if vision else None
         if llm:
             _banner("Chat requests (SmolLM2-135M-Instruct, continuous batching) while cameras stream")
-            workload = MixedWorkload(num_requests=len(CHAT_QUESTIONS), request_rate=2.0, max_tokens=64, llm_deadline_s=30.0)
+            workload = MixedWorkload(num_requests=6, request_rate=2.0, max_tokens=64,
+                                     repetition_penalty=1.2, llm_deadline_s=30.0)  # fmt: skip
             llm_summary = run_llm_part(rt, workload)
         else:
             time.sleep(5.0)  # vision alone: let the cameras run a few seconds

@@ -29,6 +29,7 @@ class MixedWorkload:
     num_requests: int = 16
     request_rate: float = 1.0  # LLM requests per second (Poisson arrivals)
     max_tokens: int = 48
+    repetition_penalty: float = 1.0  # >1 keeps a small model's greedy answers from looping
     llm_deadline_s: float = 20.0  # end to end, per request
     num_streams: int = 2
     fps: float = 4.0  # per stream
@@ -84,7 +85,7 @@ def drive(llm, vision, workload: MixedWorkload, start_at: float | None = None, q
     errors: list[BaseException] = []
 
     def llm_client() -> None:
-        params = SamplingParams(max_tokens=w.max_tokens, temperature=0)
+        params = SamplingParams(max_tokens=w.max_tokens, temperature=0, repetition_penalty=w.repetition_penalty)
         try:
             for i, at in enumerate(arrivals):
                 delay = t0 + at - time.monotonic()
