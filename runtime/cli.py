@@ -11,6 +11,8 @@ from runtime.bench_mixed import add_bench_arguments as add_mixed_bench
 from runtime.llm.bench import add_bench_arguments as add_llm_bench
 from runtime.vision.bench import add_bench_arguments as add_vision_bench
 from runtime.vision.cli import add_detect_arguments
+from workers.bench import add_jobs_bench_arguments
+from workers.worker import add_worker_arguments
 
 
 def _int_list(text: str) -> list[int]:
@@ -96,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=defaults)
     add_detect_arguments(p)
 
+    add_worker_arguments(sub.add_parser("worker", help="a Celery worker hosting one Runtime (queues llm, vision)"))
+
     bench = sub.add_parser("bench", help="benchmarks, with peers measured in the same run").add_subparsers(
         dest="bench", required=True
     )
@@ -106,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_vision_bench(bench.add_parser("vision", help="images/s and latency against Ultralytics"))
     add_llm_bench(bench.add_parser("llm", help="useful tokens/s: continuous vs static vs Hugging Face"))
     add_mixed_bench(bench.add_parser("mixed", help="chat + cameras: one Runtime vs two processes, deadlines met"))
+    add_jobs_bench_arguments(bench.add_parser("jobs", help="LLM jobs through Redis + Celery vs the in-process Runtime"))
     return parser
 
 
@@ -131,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.vision.cli import run_detect
 
         return run_detect(args)
+    if args.command == "worker":
+        from workers.worker import run_worker
+
+        return run_worker(args)
     if args.command == "bench":
         if args.bench == "scheduler":
             from runtime.bench_scheduler import run
@@ -149,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             from runtime.bench_mixed import run_bench as run_mixed_bench
 
             return run_mixed_bench(args)
+        if args.bench == "jobs":
+            from workers.bench import run_jobs_bench
+
+            return run_jobs_bench(args)
     return 2
 
 

@@ -1,0 +1,281 @@
+"""WorkerHost: what one worker process holds. Its Runtime (loaded once, after the worker
+starts), its lease in Redis, the jobs it runs, and three threads:
+
+    tandem-lease    renews this worker's lease every heartbeat_s; requeues the jobs of workers
+                    whose lease expired; queues again the jobs whose message the broker lost;
+                    polls cancel flags of its own jobs (pub/sub backup)
+    tandem-cancel   pub/sub: a cancelled running job stops within one engine step
+    tandem-events   the EventWriter (writer.py)
+
+A lease is one key per worker with a TTL of lease_s, not one per job, so a worker running
+a thousand jobs renews one key. A job names its owner; the job is the owner's for as long as
+the owner's key lives, however long the job runs. SIGKILL, OOM or power loss stop the
+heartbeat: within lease_s + heartbeat_s some other worker's lease thread requeues the job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from typing import Any, Callable
+
+from workers.settings import JobSettings
+from workers.store import CANCEL_CHANNEL, Claim, JobStore
+from workers.writer import EventWriter
+
+log = logging.getLogger("tandem.jobs")
+
+
+class Fenced(Exception):
+    """This worker no longer holds the job (its lease lapsed and the job moved on)."""
+
+
+class Cancelled(Exception):
+    """The job was cancelled while this worker ran it."""
+
+
+class ActiveJob:
+    """One job this worker runs: its claim and whatever runs it in the Runtime."""
+
+    __slots__ = ("job_id", "token", "attempt", "resumed_from", "submitted_at", "claimed_at", "prompt_token_ids",
+                 "work", "cancel_requested", "fenced", "_lock")  # fmt: skip
+
+    def __init__(self, job_id: str, token: str, claim: Claim) -> None:
+        self.job_id = job_id
+        self.token = token
+        self.attempt = claim.attempt
+        self.resumed_from = claim.num_tokens  # tokens streamed by earlier attempts
+        self.submitted_at = claim.submitted_at
+        self.claimed_at = time.time()
+        self.prompt_token_ids = claim.prompt_token_ids  # the first attempt's, for a resumed one
+        self.work: Any = None  # a GenerationHandle or a Future
+        self.cancel_requested = False
+        self.fenced = False
+        self._lock = threading.Lock()
+
+    def attach(self, work: Any) -> None:
+        with self._lock:
+            self.work = work
+            stop = self.cancel_requested or self.fenced
+        if stop:
+            work.cancel()
+
+    def request_cancel(self) -> None:
+        with self._lock:
+            self.cancel_requested = True
+            work = self.work
+        if work is not None:
+            work.cancel()
+
+    def on_fenced(self) -> None:
+        with self._lock:
+            self.fenced = True
+            work = self.work
+        if work is not None:
+            work.cancel()
+
+
+def runtime_config(queues: list[str] | None, env: dict | None = None) -> dict:
+    """Runtime keyword arguments: TANDEM_WORKER_RUNTIME (JSON {"llm": {...}|null, "vision":
+    {...}|null, "profile": bool}) if set, else the embedded defaults for the queues this
+    worker consumes."""
+    env = os.environ if env is None else env
+    raw = env.get("TANDEM_WORKER_RUNTIME")
+    if raw:
+        try:
+            config = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"TANDEM_WORKER_RUNTIME must be JSON, got {raw[:80]!r}: {exc}") from None
+        if not isinstance(config, dict) or set(config) - {"llm", "vision", "profile"}:
+            raise ValueError(
+                'TANDEM_WORKER_RUNTIME must be {"llm": {...} or null, "vision": {...} or null, "profile": bool}'
+            )
+        return {"llm": config.get("llm"), "vision": config.get("vision"), "profile": bool(config.get("profile", True))}
+    queues = queues or ["llm", "vision"]
+    return {"llm": {} if "llm" in queues else None, "vision": {} if "vision" in queues else None}
+
+
+class WorkerHost:
+    def __init__(self, settings: JobSettings, runtime_factory: Callable[[], Any], name: str = "") -> None:
+        self.settings = settings
+        self.store = JobStore(settings)
+        self.worker_id = f"{name or socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._factory = runtime_factory
+        self.runtime: Any = None
+        self.active: dict[str, ActiveJob | None] = {}  # None: reserved, not yet claimed
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.writer: EventWriter | None = None
+        self.num_republished = 0
+        self.outcomes: Counter[str] = Counter()  # final states of the jobs this worker finished
+
+    # ---- life ---------------------------------------------------------------------------------
+
+    def start(self) -> WorkerHost:
+        self.store.retrying(lambda: self.store.heartbeat(self.worker_id), "heartbeat")
+        self._spawn(self._lease_loop, "tandem-lease")
+        t0 = time.monotonic()
+        self.runtime = self._factory()
+        log.info("worker %s: runtime ready in %.1f s", self.worker_id, time.monotonic() - t0)
+        self.writer = EventWriter(self.store)
+        self._spawn(self._cancel_loop, "tandem-cancel")
+        return self
+
+    def stop(self) -> None:
+        """After Celery's warm shutdown: every task has returned."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        if self.writer is not None:
+            self.writer.close()
+        try:
+            if not self.active:
+                self.store.release(self.worker_id)  # nothing left: no need to wait out the lease
+        except Exception:  # noqa: BLE001 - Redis gone: the lease expires by itself
+            pass
+        if self.runtime is not None:
+            self.runtime.close(drain=False, timeout=10)
+        self.store.close()
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    # ---- jobs ---------------------------------------------------------------------------------
+
+    def reserve(self, job_id: str) -> bool:
+        """Hold `job_id` for one delivery on this worker (False: another delivery has it)."""
+        with self._lock:
+            if job_id in self.active:
+                return False
+            self.active[job_id] = None
+            return True
+
+    def activate(self, job: ActiveJob) -> None:
+        with self._lock:
+            self.active[job.job_id] = job
+
+    def release_job(self, job_id: str) -> None:
+        with self._lock:
+            self.active.pop(job_id, None)
+
+    def _running_jobs(self) -> dict[str, ActiveJob]:
+        with self._lock:
+            return {j: job for j, job in self.active.items() if job is not None}
+
+    def count(self, state: str) -> None:
+        with self._lock:
+            self.outcomes[state] += 1
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = {"worker_id": self.worker_id, "active_jobs": len(self.active), "jobs": dict(self.outcomes),
+                   "republished": self.num_republished}  # fmt: skip
+        try:
+            import resource
+
+            out["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            with open(f"/proc/{os.getpid()}/statm") as f:
+                out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, ImportError):
+            pass
+        if self.runtime is not None:
+            out["runtime"] = self.runtime.stats()
+        return out
+
+    # ---- the lease thread ---------------------------------------------------------------------
+
+    def _lease_loop(self) -> None:
+        connected_since: float | None = time.monotonic()
+        while not self._stop.wait(self.settings.heartbeat_s):
+            try:
+                self.store.heartbeat(self.worker_id)
+                if connected_since is None:
+                    connected_since = time.monotonic()
+                # Right after Redis comes back, leases that expired during the outage belong to
+                # live workers that have not beaten yet: reap only after a full lease period.
+                if time.monotonic() - connected_since >= self.settings.lease_s:
+                    self._note(self.store.reap(), "its worker's lease expired")
+                self._note(self.store.orphans(2 * self.settings.heartbeat_s), "the broker lost its message")
+                jobs = self._running_jobs()
+                for job_id in self.store.cancel_requested(list(jobs)):
+                    jobs[job_id].request_cancel()
+            except Exception as exc:  # noqa: BLE001 - keep beating through a Redis restart
+                if connected_since is not None:
+                    log.warning("worker %s: lease renewal failed (%s); retrying", self.worker_id, exc)
+                connected_since = None
+
+    def _note(self, job_ids: list[str], why: str) -> None:
+        for job_id in job_ids:
+            self.num_republished += 1
+            log.warning("worker %s: job %s queued again, first in line: %s", self.worker_id, job_id, why)
+
+    # ---- the cancel thread --------------------------------------------------------------------
+
+    def _cancel_loop(self) -> None:
+        while not self._stop.is_set():
+            pubsub = None
+            try:
+                pubsub = self.store.redis.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(CANCEL_CHANNEL)
+                while not self._stop.is_set():
+                    msg = pubsub.get_message(timeout=0.5)
+                    if msg is not None:
+                        job = self._running_jobs().get(msg["data"])
+                        if job is not None:
+                            job.request_cancel()
+            except Exception:  # noqa: BLE001 - Redis restarting: subscribe again (the lease thread polls meanwhile)
+                self._stop.wait(0.5)
+            finally:
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:  # noqa: BLE001
+                        pass
+
+
+# ---- the process's host ---------------------------------------------------------------------
+
+_HOST: WorkerHost | None = None
+_HOST_LOCK = threading.Lock()
+
+
+def start_host(app, queues: list[str] | None, name: str = "") -> WorkerHost:
+    """Build this process's host and load its Runtime (once; later calls return it)."""
+    global _HOST
+    with _HOST_LOCK:
+        if _HOST is None:
+            settings = JobSettings.from_env()
+            config = runtime_config(queues)
+
+            def factory():
+                from runtime.runtime import Runtime
+
+                return Runtime(**config)
+
+            _HOST = WorkerHost(settings, factory, name=name)
+            _HOST.start()
+        return _HOST
+
+
+def current_host() -> WorkerHost:
+    host = _HOST
+    if host is None:
+        raise RuntimeError("no WorkerHost in this process: tandem tasks run in a `tandem worker` process")
+    return host
+
+
+def stop_host() -> None:
+    global _HOST
+    with _HOST_LOCK:
+        host, _HOST = _HOST, None
+    if host is not None:
+        host.stop()

@@ -1,0 +1,255 @@
+"""Running one job on this worker: claim it, run it on the Runtime, stream it, finish it.
+
+`run_job` is the same for every task: claim (or find the job already final or taken), run the
+body, write the final state fenced by the claim. The bodies turn validated JSON into Runtime
+calls. A generation that restarts after its worker died continues from the tokens the stream
+already holds (prompt + those tokens as the new prompt, the budget reduced by as many), so its
+stream goes on without a token twice or missing; the `restarted` event marks the seam.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from concurrent.futures import CancelledError
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Callable
+
+from workers.host import ActiveJob, Cancelled, Fenced, WorkerHost
+from workers.jobspec import allowed_path, allowed_url, decode_image_b64, parse_detect, parse_generate
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class Duplicate(Exception):
+    """This delivery of the job is a duplicate: another one runs it or has run it."""
+
+
+class JobCancelled(Exception):
+    """The job was cancelled (before this delivery, or while it ran)."""
+
+
+def run_job(host: WorkerHost, task: str, job_id: str, queue: str, kwargs: dict,
+            body: Callable[[WorkerHost, ActiveJob, dict], tuple[dict, str]]) -> dict:  # fmt: skip
+    """Returns the job's result; raises ValueError / RuntimeError with the job's error,
+    JobCancelled, or Duplicate when there is nothing for this delivery to do."""
+    if not host.reserve(job_id):  # one delivery of a job at a time on this worker
+        raise Duplicate(f"job {job_id} is already running on this worker")
+    try:
+        return _run_reserved(host, task, job_id, queue, kwargs, body)
+    finally:
+        host.release_job(job_id)
+
+
+def _run_reserved(host: WorkerHost, task: str, job_id: str, queue: str, kwargs: dict, body) -> dict:
+    max_tokens = kwargs.get("max_tokens", DEFAULT_MAX_TOKENS)
+    token = uuid.uuid4().hex
+    claim = host.store.claim(job_id, host.worker_id, token, task, queue, kwargs,
+                             ttl_s=host.settings.job_ttl_s, submitted_at=time.time(),
+                             max_tokens=max_tokens if isinstance(max_tokens, int) else 0)  # fmt: skip
+    if claim.outcome == "busy":
+        raise Duplicate(f"job {job_id} is running on live worker {claim.detail}")
+    if claim.outcome == "final":
+        return final_result(host, job_id)
+    job = ActiveJob(job_id, token, claim)
+    host.activate(job)
+    result, error, state, trailing, exc_type = None, "", "done", "", RuntimeError
+    try:
+        result, trailing = body(host, job, kwargs)
+    except Fenced:
+        raise Duplicate(f"job {job_id} moved to another worker while this one ran it") from None
+    except Cancelled:
+        state = "cancelled"
+    except ValueError as exc:  # a bad field: the message names it
+        state, error, exc_type = "failed", str(exc), ValueError
+    except Exception as exc:  # noqa: BLE001 - fail this job, keep serving the rest
+        state, error = "failed", f"{type(exc).__name__}: {exc}"
+    reason = result.get("finish_reason", "") if result else ("abort" if state != "done" else "")
+    if not host.writer.finish(job, state, result, error, reason or "", trailing).result():
+        raise Duplicate(f"job {job_id} moved to another worker before it finished here")
+    host.count(state)
+    if state == "done":
+        return result
+    if state == "cancelled":
+        raise JobCancelled(f"job {job_id} was cancelled")
+    raise exc_type(error)
+
+
+def final_result(host: WorkerHost, job_id: str) -> dict:
+    final = host.store.wait_final([job_id], block_ms=None).get(job_id, {})
+    if final.get("state") == "done":
+        return json.loads(final["result"])
+    if final.get("state") == "cancelled":
+        raise JobCancelled(f"job {job_id} was cancelled")
+    raise RuntimeError(final.get("error") or f"job {job_id} failed")
+
+
+# ---- tandem.generate ----------------------------------------------------------------------------
+
+
+def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict, str]:
+    spec = parse_generate(kwargs)
+    rt = host.runtime
+    if rt is None or getattr(rt, "llm", None) is None:
+        raise RuntimeError("this worker serves no LLM (start it with the llm queue)")
+    remaining = None
+    if spec.deadline_s is not None:
+        remaining = job.submitted_at + spec.deadline_s - time.time()
+        if remaining <= 0:
+            raise RuntimeError(f"DeadlineExceeded: deadline_s={spec.deadline_s} passed before the job started")
+    prompt, params = spec.prompt, spec.params
+    prefix_ids: list[int] = []
+    prefix_text = ""
+    rec = None
+    if job.resumed_from:
+        rec = host.store.record(job.job_id)  # the first attempt's timings
+        prefix_ids, prefix_text = host.store.prefix_tokens(job.job_id)
+        reason = _finished_already(rt, params, prefix_ids)
+        if reason is not None:
+            return _result(host.worker_id, job, rec, job.prompt_token_ids, prefix_ids, prefix_text, reason, None), ""
+        n = len(prefix_ids)
+        params = replace(params, max_tokens=params.max_tokens - n, min_tokens=max(0, params.min_tokens - n))
+        prompt = job.prompt_token_ids + prefix_ids
+    handle = rt.submit_generate(prompt, params, priority=spec.priority, deadline_s=remaining,
+                                request_id=f"{job.job_id}#{job.attempt}")  # fmt: skip
+    job.attach(handle)
+    sent, emitted = 0, []
+    first_token_at = None
+    out = None
+    try:
+        for out in handle:
+            if job.fenced:
+                raise Fenced()
+            new = out.token_ids[sent:]
+            if new:
+                start = len(prefix_ids) + sent
+                host.writer.emit(job, start, new, out.delta_text, out.prompt_token_ids if start == 0 else None)
+                if first_token_at is None:
+                    first_token_at = time.time()
+                sent += len(new)
+                emitted.append(out.delta_text)
+    except CancelledError:
+        if job.fenced:
+            raise Fenced() from None
+        raise Cancelled() from None
+    if job.fenced or out is None:
+        raise Fenced()
+    if job.cancel_requested and out.finish_reason == "abort":
+        raise Cancelled()
+    if out.error:
+        raise RuntimeError(out.error)
+    streamed = "".join(emitted)
+    trailing = out.text[len(streamed):] if out.text.startswith(streamed) else ""
+    prompt_ids = job.prompt_token_ids if job.resumed_from else out.prompt_token_ids
+    ids, text = prefix_ids + out.token_ids, prefix_text + out.text
+    result = _result(host.worker_id, job, rec, prompt_ids, ids, text, out.finish_reason, out, first_token_at)
+    return result, trailing
+
+
+def _finished_already(rt, params, ids: list[int]) -> str | None:
+    """Did the previous attempt make the job's last token before its worker died?"""
+    if len(ids) >= params.max_tokens:
+        return "length"
+    stop_ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stop_ids |= set(getattr(rt.llm, "eos_token_ids", ()))
+    if ids and ids[-1] in stop_ids and len(ids) >= params.min_tokens:
+        return "stop"
+    if params.stop and rt.tokenizer is not None:
+        full = rt.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        if any(s in full for s in params.stop):
+            return "stop"
+    return None
+
+
+def _result(worker_id: str, job: ActiveJob, rec: dict | None, prompt_ids: list[int], ids: list[int], text: str,
+            reason: str, out, first_token_at: float | None = None) -> dict:  # fmt: skip
+    """The task's result. `rec` (the job record) only for a resumed job: its first attempt's
+    start and first token; a first attempt knows its own."""
+    now = time.time()
+    submitted = job.submitted_at or now
+    started, first = job.claimed_at, first_token_at
+    if rec is not None:
+        started = float(rec.get("started_at") or started)
+        first = float(rec["first_token_at"]) if rec.get("first_token_at") else first
+    timings = {
+        "queue_s": round(started - submitted, 6),
+        "total_s": round(now - submitted, 6),
+        "attempts": job.attempt,
+    }
+    if first is not None:
+        timings["ttft_s"] = round(first - submitted, 6)
+    if out is not None and out.metrics.e2e_latency is not None:
+        timings["runtime_s"] = round(out.metrics.e2e_latency, 6)  # in the Runtime: its queue and steps
+    if out is not None and out.metrics.decode_tokens_per_s:
+        timings["decode_tokens_per_s"] = round(out.metrics.decode_tokens_per_s, 3)
+    return {
+        "job_id": job.job_id,
+        "worker": worker_id,
+        "text": text,
+        "token_ids": ids,
+        "finish_reason": reason,
+        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                  "total_tokens": len(prompt_ids) + len(ids)},  # fmt: skip
+        "timings": timings,
+    }
+
+
+# ---- tandem.detect ------------------------------------------------------------------------------
+
+
+def detect_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict, str]:
+    spec = parse_detect(kwargs)
+    settings = host.settings
+    if spec.kind == "path":
+        source = item = allowed_path(spec.value, settings.allowed_roots)
+    elif spec.kind == "url":
+        source = allowed_url(spec.value, settings.allowed_url_prefixes)
+        item = _decode(_fetch(source), "url")
+    else:
+        source, item = "image", _decode(decode_image_b64(spec.value), "image")
+    rt = host.runtime
+    if rt is None or getattr(rt, "vision", None) is None:
+        raise RuntimeError("this worker serves no vision model (start it with the vision queue)")
+    remaining = None
+    if spec.deadline_s is not None:
+        remaining = job.submitted_at + spec.deadline_s - time.time()
+        if remaining <= 0:
+            raise RuntimeError(f"DeadlineExceeded: deadline_s={spec.deadline_s} passed before the job started")
+    future = rt.submit_detect(item, priority=spec.priority, deadline_s=remaining, request_id=job.job_id)
+    job.attach(future)
+    try:
+        det = future.result()
+    except CancelledError:
+        if job.fenced:
+            raise Fenced() from None
+        raise Cancelled() from None
+    from runtime.vision.cli import _line  # the `tandem detect` record, one format for both
+
+    return json.loads(_line(SimpleNamespace(source=source, index=0), det)), ""
+
+
+def _decode(data: bytes, field: str):
+    import cv2
+    import numpy as np
+
+    img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    if img is None:
+        raise ValueError(f"{field}: the bytes are not an image OpenCV can decode")
+    return img
+
+
+def _fetch(url: str, limit: int = 32 << 20, timeout: float = 10.0) -> bytes:
+    from urllib.request import HTTPRedirectHandler, build_opener
+
+    class _NoRedirect(HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):  # a redirect could leave the allowed prefixes
+            return None
+
+    with build_opener(_NoRedirect).open(url, timeout=timeout) as resp:  # the URL passed the allow-list
+        data = resp.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"url: the image is larger than {limit} bytes")
+    return data

@@ -1,0 +1,322 @@
+"""JobStore: the Redis side of jobs, shared by clients and workers. The state machine itself
+is in lua.py; this module names the keys, calls the scripts, and retries across a Redis
+restart (every write is idempotent, so a retry after a lost reply changes nothing)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from workers import lua
+from workers.message import broker_list, broker_lists, task_message
+from workers.settings import JobSettings
+
+log = logging.getLogger("tandem.jobs")
+
+PREFIX = "tandem:"
+FINAL_STATES = ("done", "failed", "cancelled")
+STATES = ("queued", "running", *FINAL_STATES)
+_JOB_ID = re.compile(r"[A-Za-z0-9._:@-]{1,200}")
+T = TypeVar("T")
+
+
+def check_job_id(job_id: object) -> str:
+    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
+        raise ValueError(f"job_id must be 1-200 characters of [A-Za-z0-9._:@-], got {job_id!r}")
+    return job_id
+
+
+def digest(task: str, kwargs: dict) -> str:
+    """What makes two submissions of one job id the same job."""
+    return hashlib.sha256(json.dumps([task, kwargs], sort_keys=True).encode()).hexdigest()[:32]
+
+
+def job_key(job_id: str) -> str:
+    return f"{PREFIX}job:{job_id}"
+
+
+def events_key(job_id: str) -> str:
+    return f"{PREFIX}events:{job_id}"
+
+
+def end_key(job_id: str) -> str:
+    return f"{PREFIX}end:{job_id}"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"{PREFIX}worker:{worker_id}"
+
+
+CANCEL_CHANNEL = f"{PREFIX}cancel"
+RUNNING = f"{PREFIX}running"
+ORPHANS = f"{PREFIX}orphans"  # zset: queued jobs seen without a broker message, by first sighting
+SWEEP_LOCK = f"{PREFIX}sweep-lock"
+
+
+def broker_priority(priority: int) -> int:
+    """Kombu's Redis lists are polled in ascending priority number, 0 first. A job that lost its
+    worker or its message goes again at 0, so it does not wait behind a long queue twice;
+    plain Celery clients send 0 too. Job priorities (lower first) map onto the rest: below 0
+    (urgent) -> 0, 0 (the default) -> 3, 1..9 -> 6, 10 and above -> 9."""
+    return 0 if priority < 0 else 3 if priority == 0 else 6 if priority < 10 else 9
+
+
+@dataclass(slots=True)
+class Claim:
+    outcome: str  # "claimed", "final" (nothing to run) or "busy" (a live worker has it)
+    attempt: int = 0
+    num_tokens: int = 0  # tokens already streamed by earlier attempts
+    detail: str = ""  # the final state, or the busy owner
+    submitted_at: float = 0.0
+    prompt_token_ids: list[int] | None = None  # recorded by the first attempt's first token
+
+
+def connect(url: str) -> redis.Redis:
+    # Blocking stream reads wait at most 2 s at a time (client.BLOCK_MS), well under the socket
+    # timeout; a dead connection surfaces within it and `JobStore.retrying` reconnects.
+    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=10.0, socket_connect_timeout=2.0,
+                                health_check_interval=15)  # fmt: skip
+
+
+class JobStore:
+    def __init__(self, settings: JobSettings | None = None, client: redis.Redis | None = None) -> None:
+        self.settings = settings or JobSettings.from_env()
+        self.redis = client or connect(self.settings.redis_url)
+        r = self.redis
+        self._submit = r.register_script(lua.SUBMIT)
+        self._claim = r.register_script(lua.CLAIM)
+        self._emit = r.register_script(lua.EMIT)
+        self._finish = r.register_script(lua.FINISH)
+        self._cancel = r.register_script(lua.CANCEL)
+        self._reap = r.register_script(lua.REAP)
+        self._republish = r.register_script(lua.REPUBLISH)
+
+    def retrying(self, fn: Callable[[], T], what: str) -> T:
+        """Run `fn`, retrying while Redis is unreachable or still loading its append-only file,
+        for up to `settings.reconnect_s`."""
+        deadline = time.monotonic() + self.settings.reconnect_s
+        delay = 0.02
+        while True:
+            try:
+                return fn()
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("redis unavailable during %s (%s); retrying", what, exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    def close(self) -> None:
+        self.redis.close()
+
+    # ---- clients ----------------------------------------------------------------------------
+
+    def submit(self, job_id: str, task: str, queue: str, kwargs: dict, *, ttl_s: int, max_tokens: int,
+               priority: int = 0) -> tuple[bool, str]:  # fmt: skip
+        """Record a job and queue its Celery message, in one script. Returns (created, state).
+        The same id with the same arguments is the same job; with others it is a ValueError."""
+        step = broker_priority(priority)
+        message = task_message(task, job_id, kwargs, queue, step, ignore_result=True)
+        args = [PREFIX, job_id, task, queue, digest(task, kwargs), message, broker_list(queue, step), time.time(),
+                ttl_s, max_tokens]  # fmt: skip
+        outcome, state = self.retrying(lambda: self._submit(args=args), "submit")
+        if outcome == "conflict":
+            raise ValueError(f"job_id {job_id!r} is already used by a job with other arguments (state {state})")
+        return outcome == "new", state
+
+    def record(self, job_id: str) -> dict[str, str]:
+        return self.retrying(lambda: self.redis.hgetall(job_key(job_id)), "record")
+
+    def missing(self, job_ids: list[str]) -> list[str]:
+        """The ids among `job_ids` with no record (never submitted, or expired)."""
+        def check():
+            pipe = self.redis.pipeline(transaction=False)
+            for j in job_ids:
+                pipe.exists(job_key(j))
+            return [j for j, n in zip(job_ids, pipe.execute()) if not n]
+
+        return self.retrying(check, "missing")
+
+    def queue_position(self, queue: str, job_id: str) -> int | None:
+        return self.retrying(lambda: self.redis.zrank(f"{PREFIX}queued:{queue}", job_id), "queue_position")
+
+    def cancel(self, job_id: str) -> str:
+        args = [PREFIX, job_id, time.time(), self.settings.stream_maxlen]
+        return self.retrying(lambda: self._cancel(args=args), "cancel")
+
+    def read_events(self, job_id: str, after: str, block_ms: int | None, count: int = 512) -> list[tuple[str, dict]]:
+        def read():
+            got = _streams(self.redis.xread({events_key(job_id): after}, count=count, block=block_ms))
+            return got[0][1] if got else []
+
+        return self.retrying(read, "read_events")
+
+    def wait_final(self, job_ids: list[str], block_ms: int | None) -> dict[str, dict]:
+        """Block until at least one of `job_ids` is final (or block_ms passes); returns the
+        final ones' {state, result, error}. Each job's `end` stream gets one entry when it
+        becomes final, so this never misses a transition, whenever it is called."""
+        def read():
+            got = _streams(self.redis.xread({end_key(j): "0-0" for j in job_ids}, count=1, block=block_ms))
+            return {key[len(PREFIX) + 4 :]: entries[0][1] for key, entries in got if entries}
+
+        return self.retrying(read, "wait_final")
+
+    # ---- workers ----------------------------------------------------------------------------
+
+    def claim(self, job_id: str, worker_id: str, token: str, task: str, queue: str, kwargs: dict,
+              *, ttl_s: int, max_tokens: int, submitted_at: float) -> Claim:  # fmt: skip
+        # The message is stored only if this claim creates the job (a plain Celery client's
+        # task): what a reaper queues again should the job lose its worker.
+        message = task_message(task, job_id, kwargs, queue, 0, ignore_result=False)
+        args = [PREFIX, job_id, worker_id, token, time.time(), self.settings.stream_maxlen, task, queue,
+                digest(task, kwargs), message, submitted_at, ttl_s, max_tokens]  # fmt: skip
+        out = self.retrying(lambda: self._claim(args=args), "claim")
+        if out[0] != "claimed":
+            return Claim(out[0], detail=out[1])
+        prompt = json.loads(out[4]) if out[4] else None
+        return Claim("claimed", int(out[1]), int(out[2]), submitted_at=float(out[3]), prompt_token_ids=prompt)
+
+    def emit_args(self, job_id: str, token: str, start: int, token_ids: list[int], text: str,
+                  prompt_token_ids: list[int] | None, at: float | None = None) -> list:  # fmt: skip
+        prompt = json.dumps(prompt_token_ids) if prompt_token_ids is not None else ""
+        return [PREFIX, job_id, token, start, len(token_ids), json.dumps(token_ids), text, prompt,
+                time.time() if at is None else at, self.settings.stream_maxlen]  # fmt: skip
+
+    def finish_args(self, job_id: str, token: str, state: str, result: dict | None, error: str = "",
+                    finish_reason: str = "", text: str = "") -> list:  # fmt: skip
+        assert state in FINAL_STATES
+        body = json.dumps(result) if result is not None else ""
+        return [PREFIX, job_id, token, state, body, error, finish_reason, time.time(), self.settings.stream_maxlen,
+                text]  # fmt: skip
+
+    def run_scripts(self, calls: list[tuple[str, list]]) -> list[int]:
+        """Run ("emit" | "finish", args) calls in one round trip, in order."""
+        scripts = {"emit": self._emit, "finish": self._finish}
+
+        def run():
+            pipe = self.redis.pipeline(transaction=False)
+            for name, args in calls:
+                scripts[name](args=args, client=pipe)
+            return [int(x) for x in pipe.execute()]
+
+        return self.retrying(run, "write events")
+
+    def heartbeat(self, worker_id: str) -> None:
+        """Renew this worker's lease. One key per worker, whatever the number of its jobs."""
+        self.redis.set(worker_key(worker_id), str(time.time()), px=int(self.settings.lease_s * 1000))
+
+    def release(self, worker_id: str) -> None:
+        """A worker leaving cleanly drops its lease, so that its unfinished jobs move at once."""
+        self.redis.delete(worker_key(worker_id))
+
+    def reap(self) -> list[str]:
+        """Requeue (and queue the message of) the running jobs whose owner's lease expired.
+        Two pipelined reads find them, whatever the number of running jobs; the script then
+        checks again, atomically, for each one found."""
+        r = self.redis
+        job_ids = r.zrange(RUNNING, 0, -1)
+        if not job_ids:
+            return []
+        pipe = r.pipeline(transaction=False)
+        for j in job_ids:
+            pipe.hget(job_key(j), "owner")
+        owners = pipe.execute()
+        distinct = sorted({o for o in owners if o})
+        pipe = r.pipeline(transaction=False)
+        for o in distinct:
+            pipe.exists(worker_key(o))
+        dead = {o for o, alive in zip(distinct, pipe.execute()) if not alive}
+        now = time.time()
+        maxlen = self.settings.stream_maxlen
+        return [j for j, o in zip(job_ids, owners)
+                if (o in dead or not o) and self._reap(args=[PREFIX, j, now, maxlen]) == "requeued"]
+
+    def orphans(self, every_s: float, now: float | None = None) -> list[str]:
+        """Queue again the jobs whose broker message is gone, seen so on two sweeps `every_s`
+        apart; returns their ids.
+
+        BRPOP hands a message over at most once: a worker SIGKILLed between taking it and
+        claiming the job, or a Redis that dies between removing it and replying, loses it.
+        The job record still says queued, so it is found here and published again. One worker
+        sweeps per period (a lock); a message merely in flight between the list and a live
+        worker's claim lasts milliseconds, and a false sighting costs only a duplicate message,
+        which the claim turns into a no-op."""
+        r = self.redis
+        if not r.set(SWEEP_LOCK, "1", nx=True, px=max(1, int(every_s * 1000))):
+            return []
+        candidates: set[str] = set()
+        for key in r.scan_iter(match=f"{PREFIX}queued:*", count=256):
+            queued = r.zrange(key, 0, -1)
+            if not queued:
+                continue
+            present: set[str] = set()
+            for name in broker_lists(key[len(PREFIX) + 7 :]):
+                for raw in r.lrange(name, 0, -1):
+                    try:
+                        present.add(json.loads(raw)["headers"]["id"])
+                    except (ValueError, KeyError, TypeError):
+                        continue
+            candidates.update(j for j in queued if j not in present)
+        now = time.time() if now is None else now
+        seen = dict(r.zrange(ORPHANS, 0, -1, withscores=True))
+        due = [j for j in candidates if j in seen and seen[j] <= now - every_s]
+        pipe = r.pipeline(transaction=False)
+        stale = (set(seen) - candidates) | set(due)
+        if stale:
+            pipe.zrem(ORPHANS, *stale)
+        fresh = {j: now for j in candidates - set(seen)}
+        if fresh:
+            pipe.zadd(ORPHANS, fresh, nx=True)
+        pipe.execute()
+        return [j for j in due if self._republish(args=[PREFIX, j])]
+
+    def cancel_requested(self, job_ids: list[str]) -> list[str]:
+        if not job_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for j in job_ids:
+            pipe.hget(job_key(j), "cancel")
+        return [j for j, flag in zip(job_ids, pipe.execute()) if flag == "1"]
+
+    def prefix_tokens(self, job_id: str) -> tuple[list[int], str]:
+        """The token ids and text already streamed by earlier attempts, in order."""
+        ids: list[int] = []
+        parts: list[str] = []
+        for _, ev in self.retrying(lambda: self.redis.xrange(events_key(job_id)), "prefix_tokens"):
+            if ev.get("type") == "token":
+                ids.extend(json.loads(ev["token_ids"]))
+                parts.append(ev.get("text", ""))
+        return ids, "".join(parts)
+
+
+def _streams(reply) -> list:
+    """XREAD's reply as [(key, entries)], whichever protocol (RESP2 list, RESP3 dict)."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return list(reply.items())
+    return [(k, v) for k, v in reply]
+
+
+def parse_event(event_id: str, fields: dict[str, str]) -> dict:
+    """A stream entry as a client sees it."""
+    ev: dict = {"id": event_id, "type": fields.get("type", "")}
+    for name in ("attempt", "index", "resumed_from", "num_tokens"):
+        if name in fields:
+            ev[name] = int(fields[name])
+    if "token_ids" in fields:
+        ev["token_ids"] = json.loads(fields["token_ids"])
+        ev["text"] = fields.get("text", "")
+    for name in ("finish_reason", "error", "worker"):
+        if fields.get(name):
+            ev[name] = fields[name]
+    return ev

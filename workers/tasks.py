@@ -1,0 +1,56 @@
+"""The Celery tasks, callable by name from any Celery client with JSON keyword arguments:
+
+    send_task("tandem.generate", kwargs={"prompt": "Hi", "max_tokens": 32}, queue="llm")
+    send_task("tandem.detect", kwargs={"image": "<base64>"}, queue="vision")
+
+The task id is the job id: a JobClient sends its job ids as task ids, and a plain Celery
+client's task becomes a job under its task id, with the same leases and stream.
+"""
+
+from __future__ import annotations
+
+from celery.exceptions import Ignore
+from celery.worker.control import inspect_command
+
+from workers.app import app
+from workers.host import current_host
+from workers.jobs import Duplicate, JobCancelled, detect_body, generate_body, run_job
+
+
+def _run(task, name: str, kwargs: dict, body, default_queue: str) -> dict:
+    request = task.request
+    queue = (request.delivery_info or {}).get("routing_key") or default_queue
+    try:
+        return run_job(current_host(), name, request.id, queue, kwargs, body)
+    except Duplicate:
+        # Another delivery owns this job and will store its result under the same task id.
+        raise Ignore() from None
+    except JobCancelled as exc:
+        # To a plain Celery client a cancelled job is a revoked task (its get() raises
+        # TaskRevokedError); JobClient's messages ask for no Celery result at all.
+        if not request.ignore_result:
+            task.backend.mark_as_revoked(request.id, str(exc), request=request)
+        raise Ignore() from None
+
+
+@app.task(name="tandem.generate", bind=True)
+def generate(self, **kwargs) -> dict:
+    """A prompt (text or token ids) or chat messages, SamplingParams fields, priority and
+    deadline_s. Returns {job_id, text, token_ids, finish_reason, usage, timings}."""
+    return _run(self, "tandem.generate", kwargs, generate_body, "llm")
+
+
+@app.task(name="tandem.detect", bind=True)
+def detect(self, **kwargs) -> dict:
+    """One image: base64 bytes (`image`), an allowed `url`, or a `path` under
+    TANDEM_ALLOWED_ROOTS. Returns the `tandem detect` record."""
+    return _run(self, "tandem.detect", kwargs, detect_body, "vision")
+
+
+@inspect_command(name="tandem_stats")
+def tandem_stats(state, **_) -> dict:
+    """`app.control.broadcast("tandem_stats", reply=True)`: this worker's jobs, memory and
+    Runtime statistics (KV blocks in use, queue depths)."""
+    from workers import host
+
+    return host._HOST.stats() if host._HOST is not None else {}

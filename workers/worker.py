@@ -1,0 +1,112 @@
+"""`tandem worker`: one Celery worker process hosting one Runtime (one per device).
+
+    tandem worker                                   # queues llm and vision, embedded defaults
+    tandem worker --queues llm --dtype bfloat16 --max-num-seqs 32
+    tandem worker --queues vision --vision-model yolo26n.pt --imgsz 640
+
+It runs Celery's threads pool: many tasks wait at once on one Runtime, so concurrent jobs
+share one continuous batch. Concurrency (and so prefetch, at one message per thread) is sized
+from max_num_seqs: the batch, plus half again waiting in the Runtime's queue, so that a
+finishing job's slot is refilled at the next step, not after a broker round trip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from workers.settings import QUEUES
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--queues", default="llm,vision", help="comma-separated: llm, vision or both")
+    p.add_argument("--redis-url", default=None, help="broker and job store (default: $TANDEM_REDIS_URL or local)")
+    p.add_argument("--concurrency", type=int, default=None, help="task threads (default: from --max-num-seqs)")
+    p.add_argument("--hostname", default=None, help="Celery node name (default: tandem-<queues>-<pid>@<host>)")
+    p.add_argument("--loglevel", default="INFO")
+    p.add_argument("--allowed-roots", default=None, help=f"{os.pathsep}-separated folders tandem.detect may read")
+    g = p.add_argument_group("llm")
+    g.add_argument("--model", default=None, help="local HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (default: 16 CPU, 256 CUDA)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-bytes", type=int, default=None)
+    g = p.add_argument_group("vision")
+    g.add_argument("--vision-model", default="yolo26n.yaml", help=".yaml (random weights) or .pt checkpoint")
+    g.add_argument("--imgsz", type=int, default=640)
+    g.add_argument("--vision-max-batch-size", type=int, default=8)
+    p.add_argument("--no-profile", action="store_true", help="skip start-up profiling (faster start)")
+
+
+def worker_plan(args: argparse.Namespace) -> tuple[dict, list[str], int]:
+    """(Runtime keyword arguments, queues, concurrency) from the flags; ValueError names the flag."""
+    queues = [q.strip() for q in args.queues.split(",") if q.strip()]
+    if not queues or set(queues) - set(QUEUES):
+        raise ValueError(f"--queues must name some of {list(QUEUES)}, got {args.queues!r}")
+    llm = vision = None
+    if "llm" in queues:
+        llm = {"model": args.model, "dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
+               "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+               "kv_cache_bytes": args.kv_cache_bytes}  # fmt: skip
+        llm = {k: v for k, v in llm.items() if v is not None}
+    if "vision" in queues:
+        batching = {"max_batch_size": args.vision_max_batch_size}
+        vision = {"model": args.vision_model, "imgsz": args.imgsz, "batching": batching}
+        if args.device is not None:
+            vision["device"] = args.device
+        if args.no_profile:
+            vision["profile"] = False
+    concurrency = args.concurrency
+    if concurrency is None:
+        concurrency = 0
+        if llm is not None:
+            seqs = args.max_num_seqs or (256 if (args.device or "").startswith("cuda") else 16)
+            concurrency += seqs + max(2, seqs // 2)
+        if vision is not None:
+            concurrency += 2 * args.vision_max_batch_size
+    if concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+    return {"llm": llm, "vision": vision, "profile": not args.no_profile}, queues, concurrency
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    try:
+        runtime, queues, concurrency = worker_plan(args)
+    except ValueError as exc:
+        print(f"tandem worker: error: {exc}", file=sys.stderr)
+        return 2
+    # The host reads these when the worker starts (workers/host.py), in this process.
+    os.environ["TANDEM_WORKER_RUNTIME"] = json.dumps(runtime)
+    if args.redis_url:
+        os.environ["TANDEM_REDIS_URL"] = args.redis_url
+    if args.allowed_roots is not None:
+        os.environ["TANDEM_ALLOWED_ROOTS"] = args.allowed_roots
+    from workers.settings import JobSettings
+
+    try:
+        JobSettings.from_env()  # fail here, not inside Celery, on a bad TANDEM_* value
+    except ValueError as exc:
+        print(f"tandem worker: error: {exc}", file=sys.stderr)
+        return 2
+    from workers.app import app
+
+    name = args.hostname or f"tandem-{'-'.join(queues)}-{os.getpid()}@%h"
+    argv = ["worker", "--pool", "threads", "--concurrency", str(concurrency), "--queues", ",".join(queues),
+            "--hostname", name, "--loglevel", args.loglevel, "--prefetch-multiplier", "1",
+            "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
+    app.worker_main(argv)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem worker", description=__doc__.split("\n\n")[0])
+    add_worker_arguments(parser)
+    return run_worker(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
