@@ -201,6 +201,9 @@ def run_bench(args) -> int:
     two = run_two_processes(args)
     rows = [_row("one Runtime", one), _row("two processes", two)]
     _print(rows)
+    for name, r in (("one Runtime", one), ("two processes", two)):
+        stages = ", ".join(f"{k} {v:.1f}" for k, v in r.vision.get("stage_ms_p50", {}).items() if v is not None)
+        print(f"{name}: frame stages p50 (ms): {stages}")
     a, b = rows
     verdict = {
         "more_deadlines_met": (a["all_deadline_met"] or 0) > (b["all_deadline_met"] or 0),

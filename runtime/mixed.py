@@ -181,14 +181,18 @@ def _llm_summary(handles: list, wall: float, deadline_s: float) -> dict:
 
 def _vision_summary(frames: list, wall: float, deadline_s: float) -> dict:
     latency, met = [], 0
+    stages: dict[str, list[float]] = {}
     for record, f in frames:
         if f.exception() is not None or record["done"] is None:
             continue
         seconds = record["done"] - record["submitted"]
         latency.append(seconds)
         met += seconds <= deadline_s
+        for stage, ms in f.result().timings.items():
+            stages.setdefault(stage, []).append(ms / 1000)
     n = len(frames)
     return {"frames": n, "completed": len(latency), "latency_ms": _summary_ms(latency),
+            "stage_ms_p50": {k: _summary_ms(v)["p50"] for k, v in stages.items()},
             "frames_per_s": len(latency) / wall if wall else 0.0, "deadline_met": met / n if n else None}  # fmt: skip
 
 

@@ -13,8 +13,9 @@ itself, runtime/vision_lane.py); an LLM step runs on the loop thread with every 
 a CPU the two workloads run side by side, a frame never waits for an LLM step, and the only
 OpenMP pool is the loop thread's: never two pools competing. While a vision batch runs, its
 worker shares a core with one of the step's threads (measured cheaper than re-sizing the
-LLM's pool from step to step, see `_run`). On a GPU (one lane) they take turns, and the
-arbiter puts a vision batch between two LLM steps by deadline.
+LLM's pool from step to step, see `_run`). On a GPU (one lane) they take turns. Either way,
+when a vision backlog would miss its deadline if one more LLM step ran first, the arbiter
+holds the LLM step until that batch has run (within a bounded share of the time).
 
 Callers never touch the engines: submissions are checked on the caller's thread (bad input
 raises ValueError there, naming the field), then handed to the loop through an inbox. A
@@ -322,7 +323,13 @@ class Runtime:
         # count from step to step cost more (a 16-sequence bfloat16 decode step went from 45
         # to 58 ms when alternating 1 and 2 threads) than a vision worker sharing a core for a
         # while (the mixed bench: inter-token p50 47 ms this way, 71 ms with the split).
-        torch.set_num_threads(self._cpu_threads)
+        # With vision beside it, this thread keeps OpenMP's default (every core) and does not
+        # call torch.set_num_threads: that also sets MKL's thread count for the whole process,
+        # and the single-threaded vision workers' matmuls would then each start a second pool
+        # (measured: a yolo26n forward at 320 went from 19 to 24 ms idle and 37 ms beside LLM
+        # steps; the LLM step, whose MKL calls then run on one thread, from 52 to 60 ms).
+        if self.vision is None:
+            torch.set_num_threads(self._cpu_threads)
         target_s = self.arbiter.config.vision_target_latency_ms / 1000
         try:
             while True:

@@ -169,7 +169,7 @@ class VisionLane:
 
     def _work(self) -> None:
         if self.threads is not None:
-            torch.set_num_threads(self.threads)  # this thread's own setting (see engine.py)
+            torch.set_num_threads(self.threads)  # OpenMP: this thread's own; MKL: see Runtime._run
         while True:
             with self._cond:
                 while True:

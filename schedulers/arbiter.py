@@ -7,17 +7,18 @@ an LLM step runs on the loop thread.
   1. Vision workers serve due batches on their own, on up to `vision_lanes()` lanes: on a
      multi-lane device every lane, so a frame never waits for an LLM step to end; on one
      lane only while the LLM is idle.
-  2. On a multi-lane device `choose()` always lets the LLM step run: neither workload waits
-     for the other. (The Runtime gives the step every core; a vision batch running beside it
-     shares a core with one of its threads. Measured, that costs less than re-sizing the
-     LLM's thread pool from step to step: see runtime/runtime.py.)
-  3. On one lane (a GPU) the LLM runs step after step, and a due vision batch goes between
-     two steps exactly when one more step first would make it miss its deadline:
+  2. The LLM steps whenever it has work, side by side with vision on a multi-lane device
+     (the Runtime gives the step every core; a vision batch running beside it shares a core
+     with one of its threads, which measured cheaper than re-sizing the LLM's thread pool
+     from step to step: see runtime/runtime.py), and on one lane (a GPU) while vision does
+     not hold the lane. Except:
+  3. a due vision batch that one more LLM step first would make miss its deadline,
          deadline - now - cost(batch) < cost(next LLM step),
-     unless vision has already held the LLM off for `max_vision_share` of the recent time
-     (decayed over `share_window_s`): LLM steps are never starved. Requests without a
-     deadline count as due `vision_target_latency_ms` after arrival, so vision is not
-     starved either.
+     holds the LLM step (VISION): on one lane the batch runs in between, on several the
+     vision workers get the cores to themselves until it has run. Unless vision has already
+     held the LLM off for `max_vision_share` of the recent time (decayed over
+     `share_window_s`): LLM steps are never starved. Requests without a deadline count as
+     due `vision_target_latency_ms` after arrival, so vision is not starved either.
 
 Costs come from `LinearCost` models: an LLM step costs a + b*requests + c*tokens (one model
 per lane count it ran on), a vision batch a + b*batch_size. They start from the Runtime's
@@ -181,24 +182,22 @@ class Arbiter:
 
     def choose(self, now: float, llm: LLMState | None, vision: VisionState | None, busy_lanes: int = 0) -> Turn:
         """The loop's choice (rules 2 and 3). busy_lanes: lanes running vision batches now.
-        VISION grants a due batch the LLM's lane (one lane only)."""
+        VISION: hold the LLM step until the due batch has a lane and has run."""
         llm_ready = llm is not None and llm.ready
         if not llm_ready:
             return Turn(WAIT, "nothing for the LLM")  # vision serves itself (rule 1)
-        if self.lanes > 1:  # side by side: the LLM never waits, so it is never starved
-            return self._turn(LLM, "LLM step", lanes=self.lanes)
-        if busy_lanes:
+        if self.lanes == 1 and busy_lanes:
             return Turn(WAIT, "vision holds the lane")
         if vision is not None and vision.due_size > 0:
             deadline = vision.oldest_deadline
             urgent = deadline is not None and (
-                deadline - now - self.predict_vision(vision.due_size) < self.predict_llm(llm, 1)
+                deadline - now - self.predict_vision(vision.due_size) < self.predict_llm(llm, self.lanes)
             )
             if urgent and self.vision_share(now) < self.config.max_vision_share:
                 return self._turn(VISION, "vision deadline")
             if urgent:
                 self.reasons["vision used its share"] = self.reasons.get("vision used its share", 0) + 1
-        return self._turn(LLM, "LLM step", lanes=1)
+        return self._turn(LLM, "LLM step", lanes=self.lanes)
 
     def record(self, kind: str, start: float, end: float, features: tuple[float, ...], lanes: int = 1) -> None:
         """One LLM step (features (requests, tokens), on `lanes` threads) or one vision batch

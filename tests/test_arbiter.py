@@ -48,10 +48,14 @@ def test_the_llm_steps_when_it_has_work_and_the_loop_waits_otherwise():
 def test_on_several_lanes_vision_takes_any_lane_and_the_llm_steps_beside_it():
     arb = _arbiter(lanes=4)
     assert arb.vision_lanes(llm_ready=True) == arb.vision_lanes(llm_ready=False) == 4
-    urgent = VisionState(1, oldest_deadline=-1.0)  # no grant needed: vision has its lanes
-    assert arb.choose(0.0, READY, urgent, busy_lanes=1) == Turn(LLM, "LLM step", lanes=4)
-    assert arb.choose(0.0, READY, urgent, busy_lanes=4) == Turn(LLM, "LLM step", lanes=4)  # never starved
-    assert arb.choose(0.0, LLMState(ready=False), urgent, busy_lanes=0).kind == WAIT
+    relaxed = VisionState(1, oldest_deadline=100.0)
+    assert arb.choose(0.0, READY, relaxed, busy_lanes=4) == Turn(LLM, "LLM step", lanes=4)  # side by side
+    assert arb.choose(0.0, READY, VisionState(0), busy_lanes=1) == Turn(LLM, "LLM step", lanes=4)
+    # A backlog that would miss its deadline holds the next LLM step, so the vision workers
+    # have the cores to themselves, within the vision share.
+    urgent = VisionState(1, oldest_deadline=0.01)
+    assert arb.choose(0.0, READY, urgent, busy_lanes=4).reason == "vision deadline"
+    assert arb.choose(0.0, LLMState(ready=False), urgent, busy_lanes=4).kind == WAIT
 
 
 def test_llm_cost_on_untried_lanes_is_scaled_from_the_nearest_known():
