@@ -153,18 +153,24 @@ def test_cancel_a_queued_detection_takes_it_out(rt, monkeypatch):
     assert rt.submit_detect(_image(5)).result(SAFETY_S).orig_shape == (48, 64)  # workers still serve
 
 
+def _fail_once(monkeypatch, obj, name: str, error: BaseException) -> None:
+    """Make obj.name raise `error` on its next call only."""
+    real = getattr(obj, name)
+    calls = {"n": 0}
+
+    def failing_once(*args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise error
+        return real(*args)
+
+    monkeypatch.setattr(obj, name, failing_once)
+
+
 def test_a_failing_llm_step_fails_its_requests_and_the_next_ones_succeed(rt, monkeypatch):
     runner = rt.llm.runner
     real_execute = runner.execute
-    calls = {"n": 0}
-
-    def failing_once(plan):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected runner failure")
-        return real_execute(plan)
-
-    monkeypatch.setattr(runner, "execute", failing_once)
+    _fail_once(monkeypatch, runner, "execute", RuntimeError("injected runner failure"))
     doomed = rt.submit_generate("Once upon a time", GREEDY)
     with pytest.raises(RequestError, match="injected runner failure"):
         doomed.result(SAFETY_S)
@@ -177,17 +183,7 @@ def test_a_failing_llm_step_fails_its_requests_and_the_next_ones_succeed(rt, mon
 
 
 def test_a_failing_vision_batch_fails_only_its_requests(rt, monkeypatch):
-    runner = rt.vision.runner
-    real_infer = runner.infer
-    calls = {"n": 0}
-
-    def failing_once(prepared):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise MemoryError("injected out of memory")
-        return real_infer(prepared)
-
-    monkeypatch.setattr(runner, "infer", failing_once)
+    _fail_once(monkeypatch, rt.vision.runner, "infer", MemoryError("injected out of memory"))
     doomed = rt.submit_detect(_image(1))
     with pytest.raises(RuntimeError, match="injected out of memory"):
         doomed.result(SAFETY_S)
