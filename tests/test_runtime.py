@@ -43,6 +43,20 @@ def rt(tiny_llama_dir):
         yield runtime
 
 
+def _hold_vision(monkeypatch, runtime: Runtime) -> tuple[threading.Event, threading.Semaphore]:
+    """Hold every vision forward until the gate opens; `entered` counts forwards that began."""
+    gate, entered = threading.Event(), threading.Semaphore(0)
+    real_infer = runtime.vision.runner.infer
+
+    def held_infer(prepared):
+        entered.release()
+        assert gate.wait(SAFETY_S)
+        return real_infer(prepared)
+
+    monkeypatch.setattr(runtime.vision.runner, "infer", held_infer)
+    return gate, entered
+
+
 def _kv_used(runtime: Runtime) -> int:
     return runtime.memory.stats()["kv_blocks"]["used"]
 
@@ -129,18 +143,9 @@ def test_cancel_a_running_and_a_queued_generation_frees_their_blocks(rt):
 
 
 def test_cancel_a_queued_detection_takes_it_out(rt, monkeypatch):
-    gate, entered = threading.Event(), threading.Event()
-    runner = rt.vision.runner
-    real_infer = runner.infer
-
-    def held_infer(prepared):
-        entered.set()
-        assert gate.wait(SAFETY_S)
-        return real_infer(prepared)
-
-    monkeypatch.setattr(runner, "infer", held_infer)
-    first = [rt.submit_detect(_image(j)) for j in range(4)]  # batches that hold both workers
-    assert entered.wait(SAFETY_S)
+    gate, entered = _hold_vision(monkeypatch, rt)
+    first = [rt.submit_detect(_image(j)) for j in range(4)]  # batches that hold the workers
+    assert entered.acquire(timeout=SAFETY_S)
     waiting = rt.submit_detect(_image(99), request_id="to-cancel")
     queued = rt.stats()["vision"]["queued"]
     assert "to-cancel" in rt.vision.scheduler.queue
@@ -210,17 +215,9 @@ def test_queued_requests_past_their_deadline_are_rejected(tiny_llama_dir, monkey
     # One lane: while the vision worker is held, the LLM request waits in the queue until its
     # deadline passes, and so does the next image.
     with Runtime(llm=_llm(tiny_llama_dir, max_num_seqs=1), vision=_vision(workers=1), profile=False) as runtime:
-        gate, entered = threading.Event(), threading.Event()
-        real_infer = runtime.vision.runner.infer
-
-        def held_infer(prepared):
-            entered.set()
-            assert gate.wait(SAFETY_S)
-            return real_infer(prepared)
-
-        monkeypatch.setattr(runtime.vision.runner, "infer", held_infer)
+        gate, entered = _hold_vision(monkeypatch, runtime)
         held = runtime.submit_detect(_image(0))
-        assert entered.wait(SAFETY_S)
+        assert entered.acquire(timeout=SAFETY_S)
         late_text = runtime.submit_generate("Once upon a time", GREEDY, deadline_s=0.05)
         late_image = runtime.submit_detect(_image(9), deadline_s=0.05)
         with pytest.raises(DeadlineExceededError, match="deadline"):
@@ -239,15 +236,7 @@ def test_on_several_lanes_vision_runs_beside_llm_steps(tiny_llama_dir, monkeypat
         assert runtime.arbiter.lanes == 2
         long = runtime.submit_generate("Once upon a time", SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
         next(iter(long))  # the LLM is busy decoding
-        gate, entered = threading.Event(), threading.Semaphore(0)
-        real_infer = runtime.vision.runner.infer
-
-        def held_infer(prepared):
-            entered.release()
-            assert gate.wait(SAFETY_S)
-            return real_infer(prepared)
-
-        monkeypatch.setattr(runtime.vision.runner, "infer", held_infer)
+        gate, entered = _hold_vision(monkeypatch, runtime)
         held = []
         for k in range(2):  # one at a time, so each is a batch of its own: both lanes run vision
             held.append(runtime.submit_detect(_image(k)))

@@ -89,16 +89,28 @@ def final_result(host: WorkerHost, job_id: str) -> dict:
 # ---- tandem.generate ----------------------------------------------------------------------------
 
 
+def _runtime_serving(host: WorkerHost, part: str, what: str):
+    """The worker's Runtime, if it has `part` ("llm" or "vision")."""
+    rt = host.runtime
+    if rt is None or getattr(rt, part, None) is None:
+        raise RuntimeError(f"this worker serves no {what}")
+    return rt
+
+
+def _time_left(job: ActiveJob, deadline_s: float | None) -> float | None:
+    """Seconds left of the job's deadline (counted from submission); None: no deadline."""
+    if deadline_s is None:
+        return None
+    remaining = job.submitted_at + deadline_s - time.time()
+    if remaining <= 0:
+        raise RuntimeError(f"DeadlineExceeded: deadline_s={deadline_s} passed before the job started")
+    return remaining
+
+
 def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict, str]:
     spec = parse_generate(kwargs)
-    rt = host.runtime
-    if rt is None or getattr(rt, "llm", None) is None:
-        raise RuntimeError("this worker serves no LLM (start it with the llm queue)")
-    remaining = None
-    if spec.deadline_s is not None:
-        remaining = job.submitted_at + spec.deadline_s - time.time()
-        if remaining <= 0:
-            raise RuntimeError(f"DeadlineExceeded: deadline_s={spec.deadline_s} passed before the job started")
+    rt = _runtime_serving(host, "llm", "an LLM (start it with the llm queue)")
+    remaining = _time_left(job, spec.deadline_s)
     prompt, params = spec.prompt, spec.params
     prefix_ids: list[int] = []
     prefix_text = ""
@@ -210,14 +222,8 @@ def detect_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict, s
         item = _decode(_fetch(source), "url")
     else:
         source, item = "image", _decode(decode_image_b64(spec.value), "image")
-    rt = host.runtime
-    if rt is None or getattr(rt, "vision", None) is None:
-        raise RuntimeError("this worker serves no vision model (start it with the vision queue)")
-    remaining = None
-    if spec.deadline_s is not None:
-        remaining = job.submitted_at + spec.deadline_s - time.time()
-        if remaining <= 0:
-            raise RuntimeError(f"DeadlineExceeded: deadline_s={spec.deadline_s} passed before the job started")
+    rt = _runtime_serving(host, "vision", "a vision model (start it with the vision queue)")
+    remaining = _time_left(job, spec.deadline_s)
     future = rt.submit_detect(item, priority=spec.priority, deadline_s=remaining, request_id=job.job_id)
     job.attach(future)
     try:
