@@ -11,6 +11,7 @@ from runtime.bench_mixed import add_bench_arguments as add_mixed_bench
 from runtime.llm.bench import add_bench_arguments as add_llm_bench
 from runtime.vision.bench import add_bench_arguments as add_vision_bench
 from runtime.vision.cli import add_detect_arguments
+from runtime.server.cli import add_serve_arguments
 from workers.bench import add_jobs_bench_arguments
 from workers.worker import add_worker_arguments
 
@@ -99,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_detect_arguments(p)
 
     add_worker_arguments(sub.add_parser("worker", help="a Celery worker hosting one Runtime (queues llm, vision)"))
+    add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server over the workers (or --embedded)",
+                                       formatter_class=defaults))  # fmt: skip
 
     bench = sub.add_parser("bench", help="benchmarks, with peers measured in the same run").add_subparsers(
         dest="bench", required=True
@@ -140,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         from workers.worker import run_worker
 
         return run_worker(args)
+    if args.command == "serve":
+        from runtime.server.cli import run_serve
+
+        return run_serve(args)
     if args.command == "bench":
         if args.bench == "scheduler":
             from runtime.bench_scheduler import run

@@ -52,6 +52,7 @@ class GenerationHandle:
         self._error: BaseException | None = None
         self._cancel_requested = False
         self._callbacks: list[Callable[[GenerationHandle], None]] = []
+        self._listener: Callable[[], None] | None = None  # told after every change (an event loop's wake-up)
 
     # ---- the Runtime's side (its loop thread) -----------------------------------------------
 
@@ -71,6 +72,9 @@ class GenerationHandle:
                 elif self._cancel_requested and out.finish_reason == "abort":
                     self._error = CancelledError(f"request {self.request_id!r} was cancelled")
             self._cond.notify_all()
+            listener = self._listener
+        if listener is not None:
+            listener()
         if out.finished:
             self._run_callbacks()
 
@@ -81,6 +85,9 @@ class GenerationHandle:
                 return
             self._error = error
             self._cond.notify_all()
+            listener = self._listener
+        if listener is not None:
+            listener()
         self._run_callbacks()
 
     def _run_callbacks(self) -> None:
@@ -143,6 +150,22 @@ class GenerationHandle:
             yield out
             if out.finished:
                 return
+
+    def set_listener(self, fn: Callable[[], None]) -> None:
+        """Call fn() (on the Runtime's thread, so keep it short: e.g. loop.call_soon_threadsafe)
+        whenever an output or an error arrives; at once if something is pending already."""
+        with self._cond:
+            self._listener = fn
+            ready = bool(self._pending) or self._error is not None
+        if ready:
+            fn()
+
+    def poll(self) -> tuple[list[RequestOutput], BaseException | None]:
+        """Take every pending output without waiting, and the error the request ended with
+        (None while it runs or if it succeeded). For callers that wait by `set_listener`."""
+        with self._cond:
+            outs, self._pending = self._pending, []
+            return outs, self._error
 
     def as_future(self) -> Future:
         """A concurrent.futures.Future of the final output (for `asyncio.wrap_future`);

@@ -39,6 +39,7 @@ from runtime.handles import GenerationHandle, RuntimeClosedError
 from runtime.llm.engine import EngineConfig, LLMEngine
 from runtime.llm.sampling_params import SamplingParams
 from runtime.memory import DeviceMemoryManager, MemoryConfig
+from runtime.metrics import ServingMetrics
 from runtime.threads import settle_native_pools
 from schedulers.arbiter import LLM, VISION, WAIT, Arbiter, ArbiterConfig, LLMState
 
@@ -99,6 +100,8 @@ class Runtime:
         self._drain = True
         self._broken: str | None = None
         self.step_ms: deque[float] = deque(maxlen=256)
+        self.metrics = ServingMetrics()  # Prometheus figures, as vLLM names them (runtime/metrics.py)
+        self._num_preemptions = 0
         self.vision = self.llm = None
         self._blocked_since: float | None = None  # vision holds every lane while the LLM waits
         self._llm_active = False  # the LLM has work: vision leaves it a lane
@@ -188,6 +191,9 @@ class Runtime:
                 out["llm"] = {
                     "waiting": len(s.waiting) + len(getattr(s, "queue", ())),
                     "running": len(s.running),
+                    "kv_cache_usage": round(s.table.pool.num_used_blocks / max(1, s.table.pool.num_blocks), 4)
+                    if hasattr(s, "table") else None,
+                    "preemptions": getattr(getattr(s, "table", None), "num_preemptions", 0),
                     "steps": self.llm.num_steps,
                     "failed_steps": self.llm.num_failed_steps,
                     "step_ms_p50": ms[len(ms) // 2] if ms else None,
@@ -203,6 +209,24 @@ class Runtime:
                 "vision_share": round(self.arbiter.vision_share(now), 3),
             }
         return out
+
+    def metrics_snapshot(self) -> dict:
+        """runtime/metrics.py's JSON snapshot: counters and histograms, and the gauges now."""
+        gauges: dict[str, float] = {}
+        with self._cond:
+            if self.llm is not None:
+                s = self.llm.scheduler
+                gauges["num_requests_running"] = len(s.running)
+                gauges["num_requests_waiting"] = len(s.waiting) + len(getattr(s, "queue", ()))
+                table = getattr(s, "table", None)
+                if table is not None:
+                    gauges["kv_cache_usage_perc"] = table.pool.num_used_blocks / max(1, table.pool.num_blocks)
+                    # The table counts preemptions since start; the metric is a counter of them.
+                    self.metrics.add("num_preemptions", table.num_preemptions - self._num_preemptions)
+                    self._num_preemptions = table.num_preemptions
+            if self.vision is not None:
+                gauges["vision_queue_depth"] = len(self.vision.scheduler.queue)
+        return self.metrics.snapshot(gauges)
 
     def close(self, drain: bool = True, timeout: float | None = 120.0) -> None:
         """Stop accepting work. drain=True finishes everything accepted first; drain=False
@@ -260,9 +284,15 @@ class Runtime:
 
     def _add_generate(self, prepared, handle: GenerationHandle) -> None:
         try:
-            self.llm.add_prepared(prepared, sink=handle._push)
+            self.llm.add_prepared(prepared, sink=lambda out: self._deliver(handle, out))
         except Exception as exc:  # noqa: BLE001 - e.g. more KV blocks than the pool has: that request's error
             handle._fail(exc)
+
+    def _deliver(self, handle: GenerationHandle, out) -> None:
+        """The engine's sink (loop thread): hand the output over; count a finished request."""
+        if out.finish_reason is not None:
+            self.metrics.observe_request(out)
+        handle._push(out)
 
     def _fail_pending(self, error: BaseException) -> None:
         """Fail every request not yet finished (close without draining, or a broken loop)."""
@@ -289,8 +319,9 @@ class Runtime:
 
     # ---- the loop thread --------------------------------------------------------------------
 
-    def _on_vision_batch(self, size: int, start: float, end: float) -> None:
+    def _on_vision_batch(self, size: int, start: float, end: float, queue_delays_s: list[float]) -> None:
         """A vision worker finished a batch (cond held)."""
+        self.metrics.observe_vision_batch(size, queue_delays_s)
         self.arbiter.record(VISION, start, end, (size,))
         if self._blocked_since is not None:  # a lane is free for the LLM again
             self.arbiter.add_busy(VISION, self._blocked_since, end)

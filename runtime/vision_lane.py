@@ -39,8 +39,8 @@ from schedulers.arbiter import VisionState
 
 class VisionLane:
     def __init__(self, config: VisionConfig, memory: DeviceMemoryManager, cond: threading.Condition,
-                 on_batch: Callable[[int, float, float], None], allowed: Callable[[], int]) -> None:  # fmt: skip
-        """on_batch(size, start, end) after each batch; allowed() -> lanes vision may fill on
+                 on_batch: Callable[[int, float, float, list[float]], None], allowed: Callable[[], int]) -> None:  # fmt: skip
+        """on_batch(size, start, end, queue_delays_s) after each batch; allowed() -> lanes vision may fill on
         its own now. Both are called with `cond` held."""
         self.config = c = config
         self.workers, self.threads = c.threads()
@@ -197,7 +197,7 @@ class VisionLane:
                 self.busy -= 1
                 self.num_batches += 1
                 self.batch_ms.append((t1 - t0) * 1000)
-                self._on_batch(batch.size, t0, t1)
+                self._on_batch(batch.size, t0, t1, [started - job.submitted for job in jobs.values()])
                 self._cond.notify_all()
 
     def close(self, error: BaseException | None = None, timeout: float | None = 60.0) -> None:

@@ -25,6 +25,7 @@ import uuid
 from collections import Counter
 from typing import Any, Callable
 
+from runtime import metrics
 from workers.settings import JobSettings
 from workers.store import CANCEL_CHANNEL, Claim, JobStore
 from workers.writer import EventWriter
@@ -81,6 +82,21 @@ class ActiveJob:
             work.cancel()
 
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_model_name(model: str | None, env: dict | None = None) -> str:
+    """The name clients ask for: TANDEM_SERVED_MODEL_NAME if set, else the model file's or
+    folder's name (the default model's: SmolLM2-135M-Instruct)."""
+    env = os.environ if env is None else env
+    if env.get("TANDEM_SERVED_MODEL_NAME"):
+        return env["TANDEM_SERVED_MODEL_NAME"]
+    if not model:
+        return DEFAULT_MODEL_NAME
+    base = os.path.basename(os.path.normpath(model))
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+
 def runtime_config(queues: list[str] | None, env: dict | None = None) -> dict:
     """Runtime keyword arguments: TANDEM_WORKER_RUNTIME (JSON {"llm": {...}|null, "vision":
     {...}|null, "profile": bool}) if set, else the embedded defaults for the queues this
@@ -124,6 +140,7 @@ class WorkerHost:
         t0 = time.monotonic()
         self.runtime = self._factory()
         log.info("worker %s: runtime ready in %.1f s", self.worker_id, time.monotonic() - t0)
+        self._publish_metrics()  # now: `tandem serve` learns this worker's model at once
         self.writer = EventWriter(self.store)
         self._spawn(self._cancel_loop, "tandem-cancel")
         return self
@@ -136,6 +153,7 @@ class WorkerHost:
         if self.writer is not None:
             self.writer.close()
         try:
+            metrics.withdraw(self.store.redis, self.worker_id)
             if not self.active:
                 self.store.release(self.worker_id)  # nothing left: no need to wait out the lease
         except Exception:  # noqa: BLE001 - Redis gone: the lease expires by itself
@@ -198,6 +216,7 @@ class WorkerHost:
         while not self._stop.wait(self.settings.heartbeat_s):
             try:
                 self.store.heartbeat(self.worker_id)
+                self._publish_metrics()
                 if connected_since is None:
                     connected_since = time.monotonic()
                 # Right after Redis comes back, leases that expired during the outage belong to
@@ -212,6 +231,26 @@ class WorkerHost:
                 if connected_since is not None:
                     log.warning("worker %s: lease renewal failed (%s); retrying", self.worker_id, exc)
                 connected_since = None
+
+    def metrics_payload(self) -> dict | None:
+        """What `tandem serve` scrapes for this worker (runtime/metrics.py): its model, what it
+        serves, and its Runtime's metrics."""
+        rt = self.runtime
+        if rt is None:
+            return None
+        payload = {"kind": "runtime", "worker": self.worker_id, "serves": [], "metrics": rt.metrics_snapshot()}
+        if rt.llm is not None:
+            payload["serves"].append("llm")
+            payload["model_name"] = served_model_name(rt.llm.config.model)
+            payload["max_model_len"] = rt.max_model_len
+        if rt.vision is not None:
+            payload["serves"].append("vision")
+        return payload
+
+    def _publish_metrics(self) -> None:
+        payload = self.metrics_payload()
+        if payload is not None:  # kept a little past the lease: a scrape never misses a live worker
+            metrics.publish(self.store.redis, self.worker_id, payload, self.settings.lease_s + self.settings.heartbeat_s)
 
     def _note(self, job_ids: list[str], why: str) -> None:
         for job_id in job_ids:

@@ -67,6 +67,8 @@ def _run_reserved(host: WorkerHost, task: str, job_id: str, queue: str, kwargs: 
     except Exception as exc:  # noqa: BLE001 - fail this job, keep serving the rest
         state, error = "failed", f"{type(exc).__name__}: {exc}"
     reason = result.get("finish_reason", "") if result else ("abort" if state != "done" else "")
+    if state == "failed" and exc_type is ValueError:
+        reason = "invalid_request"  # the caller's input, not the worker: `tandem serve` answers 400
     if not host.writer.finish(job, state, result, error, reason or "", trailing).result():
         raise Duplicate(f"job {job_id} moved to another worker before it finished here")
     host.count(state)

@@ -70,6 +70,21 @@ def broker_priority(priority: int) -> int:
     return 0 if priority < 0 else 3 if priority == 0 else 6 if priority < 10 else 9
 
 
+def submit_args(job_id: str, task: str, queue: str, kwargs: dict, *, ttl_s: int, max_tokens: int,
+                priority: int = 0) -> list:  # fmt: skip
+    """ARGV of the SUBMIT script (lua.py), for a client on either Redis API, sync or asyncio."""
+    step = broker_priority(priority)
+    message = task_message(task, job_id, kwargs, queue, step, ignore_result=True)
+    return [PREFIX, job_id, task, queue, digest(task, kwargs), message, broker_list(queue, step), time.time(),
+            ttl_s, max_tokens]  # fmt: skip
+
+
+def submit_outcome(job_id: str, outcome: str, state: str) -> tuple[bool, str]:
+    if outcome == "conflict":
+        raise ValueError(f"job_id {job_id!r} is already used by a job with other arguments (state {state})")
+    return outcome == "new", state
+
+
 @dataclass(slots=True)
 class Claim:
     outcome: str  # "claimed", "final" (nothing to run) or "busy" (a live worker has it)
@@ -124,14 +139,8 @@ class JobStore:
                priority: int = 0) -> tuple[bool, str]:  # fmt: skip
         """Record a job and queue its Celery message, in one script. Returns (created, state).
         The same id with the same arguments is the same job; with others it is a ValueError."""
-        step = broker_priority(priority)
-        message = task_message(task, job_id, kwargs, queue, step, ignore_result=True)
-        args = [PREFIX, job_id, task, queue, digest(task, kwargs), message, broker_list(queue, step), time.time(),
-                ttl_s, max_tokens]  # fmt: skip
-        outcome, state = self.retrying(lambda: self._submit(args=args), "submit")
-        if outcome == "conflict":
-            raise ValueError(f"job_id {job_id!r} is already used by a job with other arguments (state {state})")
-        return outcome == "new", state
+        args = submit_args(job_id, task, queue, kwargs, ttl_s=ttl_s, max_tokens=max_tokens, priority=priority)
+        return submit_outcome(job_id, *self.retrying(lambda: self._submit(args=args), "submit"))
 
     def record(self, job_id: str) -> dict[str, str]:
         return self.retrying(lambda: self.redis.hgetall(job_key(job_id)), "record")

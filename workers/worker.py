@@ -21,11 +21,18 @@ from workers.settings import QUEUES
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--queues", default="llm,vision", help="comma-separated: llm, vision or both")
     p.add_argument("--redis-url", default=None, help="broker and job store (default: $TANDEM_REDIS_URL or local)")
     p.add_argument("--concurrency", type=int, default=None, help="task threads (default: from --max-num-seqs)")
     p.add_argument("--hostname", default=None, help="Celery node name (default: tandem-<queues>-<pid>@<host>)")
     p.add_argument("--loglevel", default="INFO")
+    add_runtime_arguments(p)
+
+
+def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
+    """The Runtime's flags, shared by `tandem worker` and `tandem serve --embedded`."""
+    p.add_argument("--queues", default="llm,vision", help="comma-separated: llm, vision or both")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients ask for (default: the model's file name; SmolLM2-135M-Instruct)")
     p.add_argument("--allowed-roots", default=None, help=f"{os.pathsep}-separated folders tandem.detect may read")
     g = p.add_argument_group("llm")
     g.add_argument("--model", default=None, help="local HF folder or .gguf (default: SmolLM2-135M-Instruct)")
@@ -60,7 +67,7 @@ def worker_plan(args: argparse.Namespace) -> tuple[dict, list[str], int]:
             vision["device"] = args.device
         if args.no_profile:
             vision["profile"] = False
-    concurrency = args.concurrency
+    concurrency = getattr(args, "concurrency", None)
     if concurrency is None:
         concurrency = 0
         if llm is not None:
@@ -85,6 +92,8 @@ def run_worker(args: argparse.Namespace) -> int:
         os.environ["TANDEM_REDIS_URL"] = args.redis_url
     if args.allowed_roots is not None:
         os.environ["TANDEM_ALLOWED_ROOTS"] = args.allowed_roots
+    if args.served_model_name:
+        os.environ["TANDEM_SERVED_MODEL_NAME"] = args.served_model_name
     from workers.settings import JobSettings
 
     try:

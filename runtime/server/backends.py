@@ -1,0 +1,389 @@
+"""Where `tandem serve` sends its work: the Celery workers through Redis (`JobsBackend`, the
+default: the server stays thin and scales with the workers), or a Runtime in its own process
+(`EmbeddedBackend`, `--embedded`: one machine, no Redis).
+
+Both give the HTTP layer the same things: `generate()` returns a `Stream` of events as plain
+dicts, the same as a job's Redis Stream carries them:
+
+    {"type": "token", "text": "...", "token_ids": [...]}
+    {"type": "done", "text": "<trailing text>", "finish_reason": "stop" | "length"}
+    {"type": "failed", "error": "...", "finish_reason": "invalid_request" | "abort" | ...}
+    {"type": "cancelled"}
+
+then `await stream.usage()` for the token counts. Nothing here blocks the event loop: Redis is
+read with redis.asyncio; the Runtime's handles wake the loop with call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from runtime.server.protocol import APIError, Generation
+
+MODELS_TTL_S = 1.0  # how long the list of served models (read from Redis) is reused
+
+
+class Stream:
+    """One generation's events. Iterate it; `cancel()` stops the work behind it."""
+
+    id: str
+
+    def __aiter__(self) -> AsyncIterator[dict]:
+        return self.events()
+
+    async def events(self) -> AsyncIterator[dict]:  # pragma: no cover - interface
+        raise NotImplementedError
+        yield {}
+
+    async def usage(self) -> dict:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    async def cancel(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+# ---- jobs over Redis and Celery -----------------------------------------------------------------
+
+
+class JobStream(Stream):
+    def __init__(self, backend: JobsBackend, job_id: str) -> None:
+        self.backend = backend
+        self.id = job_id
+        self.final: dict | None = None
+
+    async def events(self) -> AsyncIterator[dict]:
+        async for _, event in self.backend.read_events(self.id, "0-0"):
+            if event["type"] in ("done", "failed", "cancelled"):
+                self.final = event
+            yield event
+            if self.final is not None:
+                return
+
+    async def usage(self) -> dict:
+        result = await self.backend.result(self.id)
+        return (result or {}).get("usage") or {}
+
+    async def cancel(self) -> None:
+        await self.backend.cancel(self.id)
+
+
+class JobsBackend:
+    mode = "jobs"
+
+    def __init__(self, settings=None, max_queued: int = 256) -> None:
+        import redis.asyncio as aioredis
+
+        from workers import lua
+        from workers.settings import JobSettings
+
+        self.settings = settings or JobSettings.from_env()
+        self.max_queued = max_queued
+        self.redis = aioredis.Redis.from_url(self.settings.redis_url, decode_responses=True, socket_timeout=10.0,
+                                             socket_connect_timeout=2.0, health_check_interval=15)  # fmt: skip
+        self._submit = self.redis.register_script(lua.SUBMIT)
+        self._cancel = self.redis.register_script(lua.CANCEL)
+        self._models: tuple[float, list[dict]] = (0.0, [])
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # ---- what the fleet serves --------------------------------------------------------------
+
+    async def payloads(self) -> list[dict]:
+        from runtime import metrics
+
+        instances = await self.redis.zrange(metrics.METRICS_INDEX, 0, -1)
+        if not instances:
+            return []
+        bodies = await self.redis.mget([metrics.METRICS_KEY + i for i in instances])
+        return [json.loads(b) for b in bodies if b]
+
+    async def workers(self) -> list[dict]:
+        """The live workers' payloads (model, max_model_len, what they serve), cached briefly."""
+        at, cached = self._models
+        if time.monotonic() - at < MODELS_TTL_S:
+            return cached
+        workers = [p for p in await self.payloads() if p.get("kind") == "runtime"]
+        self._models = (time.monotonic(), workers)
+        return workers
+
+    async def health(self) -> dict:
+        await self.redis.ping()
+        workers = await self.workers()
+        return {"workers": len(workers), "llm": sum("llm" in w.get("serves", ()) for w in workers),
+                "vision": sum("vision" in w.get("serves", ()) for w in workers)}  # fmt: skip
+
+    # ---- jobs ---------------------------------------------------------------------------------
+
+    async def check_capacity(self, queue: str) -> None:
+        """503 with Retry-After when `max_queued` jobs already wait for a worker."""
+        from workers.store import PREFIX
+
+        waiting = await self.redis.zcard(f"{PREFIX}queued:{queue}")
+        if waiting >= self.max_queued:
+            raise APIError(503, f"the {queue} queue is full ({waiting} jobs waiting for a worker, --max-queued "
+                                f"{self.max_queued}); retry later", headers={"Retry-After": "1"})  # fmt: skip
+
+    async def submit(self, task: str, kwargs: dict, *, job_id: str | None = None, queue: str | None = None,
+                     priority: int = 0, max_tokens: int = 0, ttl_s: int | None = None) -> tuple[str, bool, str]:  # fmt: skip
+        """Record and queue a job (idempotent on job_id). Returns (job_id, created, state)."""
+        from workers.store import check_job_id, submit_args, submit_outcome
+
+        queue = queue or ("llm" if task == "tandem.generate" else "vision")
+        job_id = check_job_id(job_id) if job_id is not None else uuid.uuid4().hex
+        args = submit_args(job_id, task, queue, kwargs, ttl_s=ttl_s or self.settings.job_ttl_s,
+                           max_tokens=max_tokens, priority=priority)  # fmt: skip
+        created, state = submit_outcome(job_id, *await self._submit(args=args))
+        return job_id, created, state
+
+    async def generate(self, gen: Generation, deadline_s: float | None) -> JobStream:
+        await self.check_capacity("llm")
+        kwargs = dict(gen.job)
+        if deadline_s is not None:
+            kwargs["deadline_s"] = deadline_s  # a job still queued then never runs
+        job_id, _, _ = await self.submit("tandem.generate", kwargs, priority=kwargs.get("priority", 0),
+                                         max_tokens=kwargs.get("max_tokens", 16))  # fmt: skip
+        return JobStream(self, job_id)
+
+    async def read_events(self, job_id: str, after: str = "0-0") -> AsyncIterator[tuple[str, dict]]:
+        """(stream id, event) from `after` on, until the final event."""
+        from workers.store import events_key
+
+        key = events_key(job_id)
+        last = after or "0-0"
+        block: int | None = None  # the first read never blocks: a finished job needs no wait
+        while True:
+            reply = await self.redis.xread({key: last}, count=512, block=block)
+            entries = reply[0][1] if reply else []
+            for event_id, fields in entries:
+                last = event_id
+                event = _event(fields)
+                yield event_id, event
+                if event["type"] in ("done", "failed", "cancelled"):
+                    return
+            if not entries and block is not None:
+                state = await self.state(job_id)
+                if state is None:
+                    raise APIError(404, f"job {job_id} does not exist (or expired)", "job_id")
+                if state in ("done", "failed", "cancelled") and not await self.redis.xread({key: last}, count=1):
+                    return  # resumed after the final event
+            block = 2000
+
+    async def state(self, job_id: str) -> str | None:
+        from workers.store import job_key
+
+        return await self.redis.hget(job_key(job_id), "state")
+
+    async def result(self, job_id: str) -> dict | None:
+        from workers.store import end_key
+
+        final = await self.redis.xrange(end_key(job_id), count=1)
+        if not final or not final[0][1].get("result"):
+            return None
+        return json.loads(final[0][1]["result"])
+
+    async def cancel(self, job_id: str) -> str:
+        """"cancelled", "cancelling" (running: it stops within a step), a final state, or "missing"."""
+        from workers.store import PREFIX
+
+        return await self._cancel(args=[PREFIX, job_id, time.time(), self.settings.stream_maxlen])
+
+    async def status(self, job_id: str) -> dict | None:
+        from workers.client import JobClient, JobNotFoundError
+
+        def read() -> dict | None:
+            with JobClient(settings=self.settings) as client:
+                try:
+                    out = client.status(job_id)
+                except JobNotFoundError:
+                    return None
+                if out["state"] == "done":
+                    out["result"] = client.result(job_id, timeout=0)
+                return out
+
+        return await asyncio.to_thread(read)
+
+    # ---- vision -------------------------------------------------------------------------------
+
+    async def detect(self, kind: str, value: bytes | str, deadline_s: float | None) -> dict:
+        await self.check_capacity("vision")
+        kwargs: dict[str, Any] = {kind: base64.b64encode(value).decode() if kind == "image" else value}
+        if deadline_s is not None:
+            kwargs["deadline_s"] = deadline_s
+        job_id, _, _ = await self.submit("tandem.detect", kwargs)
+        stream = JobStream(self, job_id)
+        try:
+            async for event in stream:
+                if event["type"] == "failed":
+                    raise _job_error(event)
+                if event["type"] == "cancelled":
+                    raise APIError(503, "the detection was cancelled")
+        except asyncio.CancelledError:
+            await asyncio.shield(self.cancel(job_id))
+            raise
+        return await self.result(job_id) or {}
+
+
+def _event(fields: dict) -> dict:
+    event: dict[str, Any] = {"type": fields.get("type", ""), "text": fields.get("text", "")}
+    if fields.get("token_ids"):
+        event["token_ids"] = json.loads(fields["token_ids"])
+    for name in ("finish_reason", "error", "worker"):
+        if fields.get(name):
+            event[name] = fields[name]
+    for name in ("resumed_from", "attempt", "num_tokens", "index"):
+        if fields.get(name):
+            event[name] = int(fields[name])
+    return event
+
+
+def _job_error(event: dict) -> APIError:
+    message = event.get("error") or "the job failed"
+    if event.get("finish_reason") == "invalid_request":
+        return APIError(400, message, message.split(" ", 1)[0].rstrip(":"))
+    if "DeadlineExceeded" in message or "deadline" in message.lower():
+        return APIError(504, message)
+    return APIError(500, message, type_="server_error")
+
+
+# ---- a Runtime in this process ------------------------------------------------------------------
+
+
+class HandleStream(Stream):
+    """A GenerationHandle read from the event loop: the handle's listener wakes the loop."""
+
+    def __init__(self, handle, loop: asyncio.AbstractEventLoop) -> None:
+        self.handle = handle
+        self.id = handle.request_id
+        self._wake = asyncio.Event()
+        self._loop = loop
+        self.final = None
+        handle.set_listener(lambda: loop.call_soon_threadsafe(self._wake.set))
+
+    async def events(self) -> AsyncIterator[dict]:
+        from concurrent.futures import CancelledError
+
+        while True:
+            outputs, error = self.handle.poll()
+            for out in outputs:
+                if out.delta_token_ids or out.delta_text:
+                    yield {"type": "token", "text": out.delta_text, "token_ids": out.delta_token_ids}
+                if out.finished:
+                    self.final = out
+            if error is not None:
+                if isinstance(error, CancelledError):
+                    yield {"type": "cancelled"}
+                else:
+                    code = getattr(self.final, "error_code", None) or ""
+                    reason = "deadline_exceeded" if "deadline" in code or isinstance(error, TimeoutError) else "abort"
+                    yield {"type": "failed", "error": str(error), "finish_reason": reason}
+                return
+            if self.final is not None:
+                yield {"type": "done", "text": "", "finish_reason": self.final.finish_reason}
+                return
+            await self._wake.wait()
+            self._wake.clear()
+
+    async def usage(self) -> dict:
+        out = self.final
+        if out is None:
+            return {}
+        n, m = len(out.prompt_token_ids), len(out.token_ids)
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+    async def cancel(self) -> None:
+        self.handle.cancel()
+
+
+class EmbeddedBackend:
+    mode = "embedded"
+
+    def __init__(self, runtime, model_name: str, max_queued: int = 256, allowed_roots: tuple[str, ...] = (),
+                 allowed_url_prefixes: tuple[str, ...] = ()) -> None:  # fmt: skip
+        self.runtime = runtime
+        self.model_name = model_name
+        self.max_queued = max_queued
+        self.allowed_roots = allowed_roots
+        self.allowed_url_prefixes = allowed_url_prefixes
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.runtime.close, False, 30)
+
+    def _payload(self) -> dict:
+        rt = self.runtime
+        payload = {"kind": "runtime", "instance": "embedded", "serves": [], "metrics": rt.metrics_snapshot()}
+        if rt.llm is not None:
+            payload.update(serves=["llm"], model_name=self.model_name, max_model_len=rt.max_model_len)
+        if rt.vision is not None:
+            payload["serves"].append("vision")
+        return payload
+
+    async def payloads(self) -> list[dict]:
+        return [self._payload()]
+
+    async def workers(self) -> list[dict]:
+        return [self._payload()]
+
+    async def health(self) -> dict:
+        stats = self.runtime.stats()
+        if stats.get("broken"):
+            raise RuntimeError(stats["broken"])
+        return {"workers": 1, "llm": int(self.runtime.llm is not None), "vision": int(self.runtime.vision is not None)}
+
+    async def generate(self, gen: Generation, deadline_s: float | None) -> HandleStream:
+        from runtime.llm.sampling_params import SamplingParams
+
+        rt = self.runtime
+        if rt.llm is None:
+            raise APIError(404, "this server runs no LLM (start it without --queues vision)", "model")
+        s = rt.llm.scheduler
+        waiting = len(s.waiting) + len(getattr(s, "queue", ()))
+        if waiting >= self.max_queued:
+            raise APIError(503, f"the queue is full ({waiting} requests waiting, --max-queued {self.max_queued}); "
+                                "retry later", headers={"Retry-After": "1"})  # fmt: skip
+        job = dict(gen.job)
+        prompt = job.pop("messages", None) or job.pop("prompt")
+        priority = job.pop("priority", 0)
+        params = SamplingParams(**job)
+        try:
+            handle = rt.submit_generate(prompt, params, priority=priority, deadline_s=deadline_s)
+        except ValueError as exc:
+            raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
+        return HandleStream(handle, asyncio.get_running_loop())
+
+    async def cancel(self, request_id: str) -> str:
+        return "missing"
+
+    async def detect(self, kind: str, value: bytes | str, deadline_s: float | None) -> dict:
+        from types import SimpleNamespace
+
+        from runtime.vision.cli import _line
+        from workers.jobs import _decode, _fetch
+        from workers.jobspec import allowed_path, allowed_url
+
+        rt = self.runtime
+        if rt.vision is None:
+            raise APIError(404, "this server runs no vision model", "model")
+        try:
+            if kind == "path":
+                source = item = allowed_path(value, self.allowed_roots)
+            elif kind == "url":
+                source = allowed_url(value, self.allowed_url_prefixes)
+                item = await asyncio.to_thread(lambda: _decode(_fetch(source), "url"))
+            else:
+                source, item = "image", await asyncio.to_thread(_decode, value, "image")
+            future = rt.submit_detect(item, deadline_s=deadline_s)
+        except ValueError as exc:
+            raise APIError(400, str(exc), kind) from None
+        wrapped = asyncio.wrap_future(future)
+        try:
+            det = await wrapped
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        return json.loads(_line(SimpleNamespace(source=source, index=0), det))

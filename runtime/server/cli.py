@@ -1,0 +1,94 @@
+"""`tandem serve`: the HTTP front.
+
+    tandem serve --port 8000                      # over the workers: TANDEM_REDIS_URL, `tandem worker`
+    tandem serve --port 8000 --embedded           # a Runtime in this process; no Redis, no workers
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from workers.worker import add_runtime_arguments
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--redis-url", default=None, help="the workers' Redis (default: $TANDEM_REDIS_URL or local)")
+    p.add_argument("--embedded", action="store_true", help="host a Runtime in this process instead of using workers")
+    p.add_argument("--max-queued", type=int, default=256,
+                   help="requests waiting for a worker (or, embedded, for a slot) beyond which new ones get 503")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds before an unanswered request gets 504 and its job is cancelled")
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get 413")
+    p.add_argument("--allowed-url-prefixes", default=None, help="comma-separated URL prefixes /v1/detect may fetch")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    add_runtime_arguments(p.add_argument_group("embedded runtime (with --embedded)"))
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queued < 0:
+        raise ValueError(f"--max-queued must be >= 0, got {args.max_queued}")
+    if not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    if args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+
+
+def build_backend(args: argparse.Namespace):
+    """The backend the flags ask for (loads the Runtime when --embedded)."""
+    from runtime.server.backends import EmbeddedBackend, JobsBackend
+    from workers.settings import JobSettings
+
+    overrides = {"redis_url": args.redis_url}
+    if args.allowed_roots is not None:
+        overrides["allowed_roots"] = tuple(args.allowed_roots.split(os.pathsep))
+    if args.allowed_url_prefixes is not None:
+        overrides["allowed_url_prefixes"] = tuple(p.strip() for p in args.allowed_url_prefixes.split(","))
+    settings = JobSettings.from_env(**overrides)
+    if not args.embedded:
+        return JobsBackend(settings, max_queued=args.max_queued)
+    from runtime.runtime import Runtime
+    from workers.host import served_model_name
+    from workers.worker import worker_plan
+
+    config, _, _ = worker_plan(args)
+    runtime = Runtime(**config)
+    name = args.served_model_name or served_model_name((config.get("llm") or {}).get("model"))
+    return EmbeddedBackend(runtime, name, args.max_queued, settings.allowed_roots, settings.allowed_url_prefixes)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        _check(args)
+        backend = build_backend(args)
+    except ValueError as exc:
+        print(f"tandem serve: error: {exc}", file=sys.stderr)
+        return 2
+    import socket
+
+    import uvicorn
+
+    from runtime.server.app import ServeConfig, create_app
+
+    config = ServeConfig(request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+                         served_model_name=args.served_model_name)  # fmt: skip
+    app = create_app(backend, config)
+    # Bind first, so that --port 0 can say which port it got before serving.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        print(f"tandem serve: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    print(f"tandem serve: {backend.mode} mode, listening on http://{host}:{port}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                          access_log=False))  # fmt: skip
+    server.run(sockets=[sock])
+    return 0

@@ -1,0 +1,115 @@
+"""OpenAI request checks and response shapes (runtime/server/protocol.py), and the Prometheus
+rendering of serving metrics (runtime/metrics.py): plain data, no server, no model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from runtime import metrics
+from runtime.server import protocol
+from runtime.server.protocol import APIError
+
+
+def _param(fn, body) -> str:
+    with pytest.raises(APIError) as info:
+        fn(body)
+    assert info.value.status == 400
+    assert info.value.param in info.value.message or info.value.param.startswith("messages")
+    return info.value.param
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", -1), ("max_tokens", "12"), ("temperature", -0.5), ("top_p", 1.5), ("top_p", 0),
+    ("top_k", -3), ("min_tokens", 99), ("seed", "x"), ("stop_token_ids", [-1]), ("priority", 1.5),
+    ("n", 2), ("logprobs", 3), ("echo", True), ("stream", "yes"), ("request_timeout", 0),
+    ("presence_penalty", 5), ("bogus_field", 1),
+])  # fmt: skip
+def test_each_bad_completion_field_is_refused_naming_it(field, value):
+    body = {"prompt": "hi", "max_tokens": 8, field: value}
+    assert _param(protocol.parse_completion, body) == field
+
+
+@pytest.mark.parametrize("prompt", ["", [], [1, -2], [["a"], ["b"]], ["a", "b"], 5, None])
+def test_a_bad_prompt_is_refused_naming_prompt(prompt):
+    assert _param(protocol.parse_completion, {"prompt": prompt}) == "prompt"
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([], "messages"), (None, "messages"), ("hi", "messages"), ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "robot", "content": "x"}], "messages[0].role"), (["x"], "messages[0]"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0]"),
+])  # fmt: skip
+def test_bad_messages_are_refused_naming_the_message(messages, param):
+    assert _param(protocol.parse_chat, {"messages": messages}) == param
+
+
+def test_a_completion_keeps_vllm_extras_and_openai_stream_options():
+    gen = protocol.parse_completion({
+        "model": "m", "prompt": [[1, 2, 3]], "max_tokens": 4, "temperature": 0, "top_k": 5, "min_tokens": 2,
+        "seed": 7, "ignore_eos": True, "stop_token_ids": [9], "priority": -1, "stop": "END", "user": "u",
+        "stream": True, "stream_options": {"include_usage": True}, "request_timeout": 2.5,
+    })  # fmt: skip
+    assert gen.job == {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "top_k": 5, "min_tokens": 2,
+                       "seed": 7, "ignore_eos": True, "stop_token_ids": [9], "priority": -1, "stop": ["END"]}  # fmt: skip
+    assert (gen.stream, gen.include_usage, gen.timeout_s, gen.model) == (True, True, 2.5, "m")
+
+
+def test_chat_takes_max_completion_tokens_and_text_parts():
+    gen = protocol.parse_chat({"messages": [{"role": "developer", "content": "be brief"},
+                                            {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                         {"type": "text", "text": "b"}]}],
+                               "max_completion_tokens": 3})  # fmt: skip
+    assert gen.job["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    assert gen.job["max_tokens"] == 3 and gen.id.startswith("chatcmpl-")
+
+
+def test_usage_only_with_streaming():
+    assert _param(protocol.parse_completion, {"prompt": "x", "stream_options": {"include_usage": True}}) == (
+        "stream_options"
+    )
+
+
+def test_stream_chunks_carry_null_usage_until_the_last():
+    gen = protocol.parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
+                               "stream_options": {"include_usage": True}})  # fmt: skip
+    first = protocol.chunk(gen, "m", "", role=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""} and first["usage"] is None
+    last = protocol.chunk(gen, "m", None, use=protocol.usage(3, 2), no_choices=True)
+    assert last["choices"] == [] and last["usage"]["total_tokens"] == 5
+
+
+def _output(reason, tokens, error_code=None):
+    m = SimpleNamespace(arrival_time=0.0, first_scheduled_time=0.01, first_token_time=0.05 if tokens else None,
+                        finished_time=0.5,
+                        token_times=[0.05 + 0.05 * i for i in range(tokens)])  # fmt: skip
+    return SimpleNamespace(metrics=m, finish_reason=reason, error_code=error_code, prompt_token_ids=[1] * 10,
+                           token_ids=[2] * tokens)  # fmt: skip
+
+
+def test_metrics_render_as_prometheus_text_with_vllm_names():
+    m = metrics.ServingMetrics()
+    m.observe_request(_output("length", 8))
+    m.observe_request(_output("stop", 3))
+    m.observe_request(_output("abort", 0, "deadline_exceeded"))
+    m.observe_vision_batch(4, [0.001, 0.002, 0.003, 0.2])
+    snap = m.snapshot({"num_requests_running": 2, "kv_cache_usage_perc": 0.25})
+    cams = {"instance": "cams", "cameras": [{"camera": "door", "up": 0, "state": "retrying", "fps": 0,
+                                             "frames": 5, "drops": 2}]}  # fmt: skip
+    text = metrics.render([{"instance": "w1", "model_name": "m", "metrics": snap}, cams]).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
+    w = (("instance", "w1"), ("model_name", "m"))
+    assert samples[("tandem:num_requests_running", w)] == 2
+    assert samples[("tandem:generation_tokens_total", w)] == 11
+    assert samples[("tandem:prompt_tokens_total", w)] == 30
+    assert samples[("tandem:request_success_total", (("finished_reason", "deadline_exceeded"), *w))] == 1
+    assert samples[("tandem:time_to_first_token_seconds_count", w)] == 2
+    assert samples[("tandem:inter_token_latency_seconds_count", w)] == 7 + 2
+    assert samples[("tandem:vision_batch_size_bucket", (w[0], ("le", "4.0"), w[1]))] == 1
+    assert samples[("tandem:vision_queue_delay_seconds_count", w)] == 4
+    cam = (("camera", "door"), ("instance", "cams"))
+    assert samples[("tandem:camera_up", (*cam, ("state", "retrying")))] == 0
+    assert samples[("tandem:camera_frames_dropped_total", cam)] == 2
