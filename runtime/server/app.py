@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable
@@ -30,6 +31,10 @@ from runtime.server.protocol import APIError, Generation
 
 log = logging.getLogger("tandem.serve")
 DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
 
 
 @dataclass(slots=True)
@@ -65,20 +70,23 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
     @app.exception_handler(ValueError)
     async def _value_error(_request: Request, exc: ValueError) -> JSONResponse:
         message = str(exc)
-        return JSONResponse(APIError(400, message, message.split(" ", 1)[0]).body(), status_code=400)
+        return JSONResponse(APIError(400, message, protocol.param_of(message)).body(), status_code=400)
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_request: Request, _exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody to answer; its work was cancelled
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, _exc: Exception) -> JSONResponse:
+        # One request's bug, not the server's end. (A plain exception handler, not an HTTP
+        # middleware: Starlette's BaseHTTPMiddleware would hide a client's disconnect.)
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(APIError(500, "internal server error", type_="server_error").body(), status_code=500)
+
+    def check_length(request: Request) -> None:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            err = APIError(413, f"the request body has {length} bytes; at most {config.max_body_bytes} are allowed")
-            return JSONResponse(err.body(), status_code=413)
-        try:
-            return await call_next(request)
-        except Exception:  # noqa: BLE001 - one request's bug, not the server's end
-            log.exception("unhandled error in %s %s", request.method, request.url.path)
-            err = APIError(500, "internal server error", type_="server_error")
-            return JSONResponse(err.body(), status_code=500)
+            raise APIError(413, f"the request body has {length} bytes; at most {config.max_body_bytes} are allowed")
 
     async def read_json(request: Request) -> Any:
         body = await read_body(request)
@@ -89,6 +97,7 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
 
     async def read_body(request: Request) -> bytes:
         """The body, refused with 413 as soon as it passes the limit (chunked uploads too)."""
+        check_length(request)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -150,22 +159,23 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
         if gen.stream:
             return StreamingResponse(sse(gen, model, stream, events, first, deadline), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
-        parts: list[str] = []
-        finish = None
-        try:
-            event = first
+
+        async def collect() -> tuple[str, str | None]:
+            parts, event = [], first
             while True:
                 parts.append(event.get("text", ""))
                 if event["type"] == "done":
-                    finish = event.get("finish_reason")
-                    break
+                    return "".join(parts), event.get("finish_reason")
                 if event["type"] in ("failed", "cancelled"):
                     raise _failure(event)
-                event = await _within(events.__anext__(), deadline, request)
+                event = await events.__anext__()
+
+        try:  # one watch over the whole answer: its deadline, and the client still being there
+            text, finish = await _within(collect(), deadline, request)
         except BaseException:
             later(_close(stream, events))
             raise
-        return JSONResponse(protocol.response(gen, model, "".join(parts), finish, await stream.usage()))
+        return JSONResponse(protocol.response(gen, model, text, finish, await stream.usage()))
 
     async def sse(gen: Generation, model: str, stream, events: AsyncIterator[dict], first: dict,
                   deadline: float) -> AsyncIterator[bytes]:  # fmt: skip
@@ -211,7 +221,8 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
 
     def jobs_backend():
         if backend.mode != "jobs":
-            raise APIError(404, "the job API needs Redis and workers: start `tandem serve` without --embedded")
+            raise APIError(501, "the job API keeps jobs in Redis: start `tandem serve` over workers, "
+                                "without --embedded", type_="not_implemented")  # fmt: skip
         return backend
 
     @app.post("/v1/jobs", status_code=202)
@@ -251,7 +262,10 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
         job_id = _job_id(job_id)
         if await b.state(job_id) is None:
             raise APIError(404, f"job {job_id} does not exist (or expired)", "job_id")
+        field = "Last-Event-ID" if request.headers.get("last-event-id") else "after"
         after = request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
+        if not _STREAM_ID.fullmatch(after):
+            raise APIError(400, f"{field} must be an event id as sent (like 1700000000000-0), got {after[:40]!r}", field)
 
         async def events() -> AsyncIterator[bytes]:
             async for event_id, event in b.read_events(job_id, after):
@@ -274,6 +288,7 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
         ctype = request.headers.get("content-type", "")
         timeout = config.request_timeout_s
         if ctype.startswith("multipart/form-data"):
+            check_length(request)
             form = await request.form(max_part_size=config.max_body_bytes)
             upload = form.get("file") or form.get("image")
             if upload is None or isinstance(upload, str):
@@ -323,6 +338,9 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
 # ---- helpers --------------------------------------------------------------------------------------
 
 
+_STREAM_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
+
+
 def _data(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -356,8 +374,8 @@ async def _close(stream, events) -> None:
 
 
 async def _within(awaitable: Awaitable, deadline: float, request: Request):
-    """Await `awaitable` until `deadline` (504) or until the client disconnects (the awaitable
-    is cancelled and CancelledError raised, so the caller cancels the work behind it)."""
+    """Await `awaitable` until `deadline` (504) or until the client disconnects (ClientGone, so
+    that the caller cancels the work behind it)."""
     task = asyncio.ensure_future(awaitable)
     try:
         while True:
@@ -368,7 +386,7 @@ async def _within(awaitable: Awaitable, deadline: float, request: Request):
             if done:
                 return task.result()
             if await request.is_disconnected():
-                raise asyncio.CancelledError("the client disconnected")
+                raise ClientGone()
     finally:
         if not task.done():
             task.cancel()

@@ -166,7 +166,7 @@ class JobsBackend:
                 yield event_id, event
                 if event["type"] in ("done", "failed", "cancelled"):
                     return
-            if not entries and block is not None:
+            if not entries:
                 state = await self.state(job_id)
                 if state is None:
                     raise APIError(404, f"job {job_id} does not exist (or expired)", "job_id")

@@ -9,6 +9,7 @@ with the HTTP status OpenAI's API would give.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -46,6 +47,16 @@ class APIError(Exception):
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
           503: "service_unavailable", 504: "timeout"}  # fmt: skip
+
+
+def param_of(message: str) -> str:
+    """The field a ValueError's message names: the first unknown field it lists, else its first
+    word (every check in Tandem starts its message with the field's name)."""
+    m = _UNKNOWN.search(message)
+    return m.group(1) if m else message.split(" ", 1)[0].rstrip(":,")
+
+
+_UNKNOWN = re.compile(r"unknown field\(s\) \['([^']+)'")
 
 
 def bad(param: str, message: str) -> APIError:
