@@ -13,6 +13,7 @@ from runtime.vision.bench import add_bench_arguments as add_vision_bench
 from runtime.vision.cli import add_detect_arguments
 from runtime.server.cli import add_serve_arguments
 from workers.bench import add_jobs_bench_arguments
+from workers.cameras_http import add_streams_arguments
 from workers.worker import add_worker_arguments
 
 
@@ -100,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_detect_arguments(p)
 
     add_worker_arguments(sub.add_parser("worker", help="a Celery worker hosting one Runtime (queues llm, vision)"))
+    add_streams_arguments(sub.add_parser("streams", help="camera ingestion as a service: .streams to detections in Redis",
+                                         formatter_class=defaults))  # fmt: skip
     add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server over the workers (or --embedded)",
                                        formatter_class=defaults))  # fmt: skip
 
@@ -143,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         from workers.worker import run_worker
 
         return run_worker(args)
+    if args.command == "streams":
+        from workers.cameras_http import run_streams
+
+        return run_streams(args)
     if args.command == "serve":
         from runtime.server.cli import run_serve
 
