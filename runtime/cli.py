@@ -13,6 +13,7 @@ from runtime.vision.bench import add_bench_arguments as add_vision_bench
 from runtime.vision.cli import add_detect_arguments
 from runtime.server.cli import add_serve_arguments
 from workers.bench import add_jobs_bench_arguments
+from workers.bench_serve import add_bench_serve_arguments
 from workers.cameras_http import add_streams_arguments
 from workers.worker import add_worker_arguments
 
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_llm_bench(bench.add_parser("llm", help="useful tokens/s: continuous vs static vs Hugging Face"))
     add_mixed_bench(bench.add_parser("mixed", help="chat + cameras: one Runtime vs two processes, deadlines met"))
     add_jobs_bench_arguments(bench.add_parser("jobs", help="LLM jobs through Redis + Celery vs the in-process Runtime"))
+    add_bench_serve_arguments(bench.add_parser("serve", help="tandem serve vs vLLM's OpenAI server: output tok/s and TTFT"))
     return parser
 
 
@@ -172,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
             from runtime.bench_mixed import run_bench as run_mixed_bench
 
             return run_mixed_bench(args)
+        if args.bench == "serve":
+            from workers.bench_serve import run_bench_serve
+
+            return run_bench_serve(args)
         if args.bench == "jobs":
             from workers.bench import run_jobs_bench
 

@@ -246,3 +246,18 @@ def test_a_queued_job_whose_broker_message_is_gone_is_queued_again_on_the_second
     assert [m["headers"]["id"] for m in _messages(store, "llm")] == ["lost"]
     assert sweep(1010.0) == []  # its message is back
     assert store.orphans(every_s=4.0) == []  # the lock: another worker swept this period
+
+
+def test_a_message_a_live_worker_prefetched_is_not_taken_for_lost(store):
+    def sweep(now: float) -> list[str]:
+        store.redis.delete("tandem:sweep-lock")
+        return store.orphans(every_s=4.0, now=now)
+
+    _submit(store, "prefetched")
+    store.redis.delete("llm\x06\x163")  # taken off the broker list by a worker's prefetch
+    store.hold("w1", ["prefetched"])  # that worker says it holds it, waiting for a free thread
+    assert sweep(1000.0) == [] and sweep(1004.5) == [] and sweep(1009.0) == []
+    assert _messages(store, "llm") == []  # no duplicate message
+    store.release("w1")  # the worker leaves (or its held key expires with its lease)
+    assert sweep(1020.0) == []  # first sighting
+    assert sweep(1024.5) == ["prefetched"]

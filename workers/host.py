@@ -216,6 +216,7 @@ class WorkerHost:
         while not self._stop.wait(self.settings.heartbeat_s):
             try:
                 self.store.heartbeat(self.worker_id)
+                self.store.hold(self.worker_id, _reserved_ids())
                 self._publish_metrics()
                 if connected_since is None:
                     connected_since = time.monotonic()
@@ -279,6 +280,16 @@ class WorkerHost:
                         pubsub.close()
                     except Exception:  # noqa: BLE001
                         pass
+
+
+def _reserved_ids() -> list[str]:
+    """Ids of the task messages this Celery worker has taken and not finished (prefetched
+    ones included); empty outside a Celery worker."""
+    try:
+        from celery.worker import state
+    except ImportError:  # pragma: no cover - celery is a dependency
+        return []
+    return [r.id for r in list(state.reserved_requests)]
 
 
 # ---- the process's host ---------------------------------------------------------------------

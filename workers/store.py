@@ -225,7 +225,7 @@ class JobStore:
 
     def release(self, worker_id: str) -> None:
         """A worker leaving cleanly drops its lease, so that its unfinished jobs move at once."""
-        self.redis.delete(worker_key(worker_id))
+        self.redis.delete(worker_key(worker_id), f"{PREFIX}held:{worker_id}")
 
     def reap(self) -> list[str]:
         """Requeue (and queue the message of) the running jobs whose owner's lease expired.
@@ -275,6 +275,9 @@ class JobStore:
                     except (ValueError, KeyError, TypeError):
                         continue
             candidates.update(j for j in queued if j not in present)
+        if candidates:  # a live worker's prefetched messages are held, not lost
+            for key in r.scan_iter(match=f"{PREFIX}held:*", count=256):
+                candidates.difference_update(r.smembers(key))
         now = time.time() if now is None else now
         seen = dict(r.zrange(ORPHANS, 0, -1, withscores=True))
         due = [j for j in candidates if j in seen and seen[j] <= now - every_s]
@@ -287,6 +290,18 @@ class JobStore:
             pipe.zadd(ORPHANS, fresh, nx=True)
         pipe.execute()
         return [j for j in due if self._republish(args=[PREFIX, j])]
+
+    def hold(self, worker_id: str, job_ids: list[str]) -> None:
+        """Say which jobs' messages this worker has taken from the broker and not yet run
+        (Celery prefetches for its idle threads): the orphan sweep leaves them alone while the
+        key lives, one lease long."""
+        key = f"{PREFIX}held:{worker_id}"
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(key)
+        if job_ids:
+            pipe.sadd(key, *job_ids)
+            pipe.pexpire(key, max(1, int(self.settings.lease_s * 1000)))
+        pipe.execute()
 
     def cancel_requested(self, job_ids: list[str]) -> list[str]:
         if not job_ids:

