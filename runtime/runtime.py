@@ -92,6 +92,13 @@ class Runtime:
         self.device = devices.pop()
         arbiter_config = _config(ArbiterConfig, arbiter, "arbiter")
         self.memory = memory or DeviceMemoryManager(MemoryConfig(device=self.device))
+        # Built on this thread, stepped on the loop thread. OpenMP (libgomp) then keeps two pools,
+        # and with more pool threads than cores it throttles their spinning: a lone Runtime's
+        # step runs on about 1.3 cores (measured: building on the loop thread instead made it
+        # 1.2x faster). But beside a co-located server, Redis and client on two cores, the
+        # served throughput was better this way (65 to 85 against 47 to 53 tokens/s), since
+        # spinning workers stall whenever another process takes their core. See BENCHMARKS.md.
+        settle_native_pools()  # on this thread, before any engine thread touches oneDNN
         self._cond = threading.Condition()
         self._inbox: deque[Callable[[], None]] = deque()
         self._handles: dict[str, GenerationHandle] = {}
@@ -108,34 +115,6 @@ class Runtime:
 
         self._cpu_threads = torch.get_num_threads()
         self.arbiter = Arbiter(arbiter_config)  # its lanes are known once vision is built
-        # The loop thread builds the engines, then runs them. Why not this thread: OpenMP
-        # (libgomp) keeps a pool of worker threads per thread that ever ran a parallel region,
-        # and once a process has more of them than cores, every pool's workers stop spinning
-        # between regions and sleep instead. A step is thousands of short regions, so an LLM
-        # step on a second thread ran on about one core: a 16-sequence bfloat16 decode step
-        # took 125 ms against 98 ms on the thread that loaded the model. One thread loads,
-        # profiles and steps; the vision workers run single-threaded and keep no pool.
-        ready: Future = Future()
-        self._loop = threading.Thread(target=self._main, args=(llm_config, vision_config, profile, ready),
-                                      name="tandem-runtime", daemon=True)  # fmt: skip
-        self._loop.start()
-        ready.result()  # re-raises what stopped the build
-
-    def _main(self, llm_config, vision_config, profile: bool, ready: Future) -> None:
-        try:
-            self._build(llm_config, vision_config, profile)
-        except BaseException as exc:  # noqa: BLE001 - handed to the constructor's caller
-            ready.set_exception(exc)
-            return
-        ready.set_result(None)
-        self._run()
-
-    def _build(self, llm_config, vision_config, profile: bool) -> None:
-        import torch
-
-        if vision_config is None:
-            torch.set_num_threads(self._cpu_threads)  # see _run for why not with vision beside it
-        settle_native_pools()  # on this thread, before any engine thread touches oneDNN
         try:
             if vision_config is not None:  # first: the KV pool is sized from what vision leaves
                 from runtime.vision_lane import VisionLane
@@ -157,6 +136,8 @@ class Runtime:
         except BaseException:
             self._release()
             raise
+        self._loop = threading.Thread(target=self._run, name="tandem-runtime", daemon=True)
+        self._loop.start()
 
     # ---- entry points (any thread) ----------------------------------------------------------
 
@@ -384,6 +365,8 @@ class Runtime:
         # and the single-threaded vision workers' matmuls would then each start a second pool
         # (measured: a yolo26n forward at 320 went from 19 to 24 ms idle and 37 ms beside LLM
         # steps; the LLM step, whose MKL calls then run on one thread, from 52 to 60 ms).
+        if self.vision is None:
+            torch.set_num_threads(self._cpu_threads)
         target_s = self.arbiter.config.vision_target_latency_ms / 1000
         try:
             while True:
