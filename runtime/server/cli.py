@@ -25,7 +25,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get 413")
     p.add_argument("--allowed-url-prefixes", default=None, help="comma-separated URL prefixes /v1/detect may fetch")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
-    add_runtime_arguments(p.add_argument_group("embedded runtime (with --embedded)"))
+    add_runtime_arguments(p)  # the Runtime's flags, used with --embedded
 
 
 def _check(args: argparse.Namespace) -> None:
