@@ -278,6 +278,16 @@ def test_bad_input_over_http_is_refused_naming_the_field(r, make_service, cams):
     assert missing.status_code == 404 and missing.json()["field"] == "camera" and "nope" in missing.json()["error"]
 
 
+def test_remote_cameras_must_start_with_an_allowed_prefix_when_prefixes_are_set(r, make_service, cams):
+    from fastapi.testclient import TestClient
+
+    allowed = cams["a"].rsplit("/", 1)[0] + "/"
+    client = TestClient(create_app(make_service(r, allowed_url_prefixes=(allowed,))))
+    refused = client.post("/cameras", json={"camera": "elsewhere", "url": "rtsp://10.0.0.7/live"})
+    assert refused.status_code == 400 and refused.json()["field"] == "url" and "allowed prefix" in refused.text
+    assert client.post("/cameras", json={"camera": "ok", "url": cams["a"]}).status_code == 201
+
+
 def test_cameras_are_added_and_removed_through_the_redis_control_list(r, make_service, cams):
     service = make_service(r, instance="svc-ctl")
     key = CONTROL_KEY + "svc-ctl"

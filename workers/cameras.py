@@ -209,6 +209,7 @@ class CameraService:
         max_cameras: int = 64,
         publish_interval_s: float = 2.0,
         control: bool = True,
+        allowed_url_prefixes: tuple[str, ...] = (),
     ) -> None:
         for name, value in (("maxlen", maxlen), ("max_in_flight", max_in_flight), ("max_cameras", max_cameras)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -222,6 +223,8 @@ class CameraService:
         self.maxlen, self.max_in_flight, self.max_cameras = maxlen, max_in_flight, max_cameras
         self.instance, self.publish_interval_s = instance, float(publish_interval_s)
         self.stream_config = stream_config or StreamConfig()
+        # Cameras a remote caller adds must start with one of these (none: any network stream).
+        self.allowed_url_prefixes = tuple(p for p in allowed_url_prefixes if p)
         self.failure: str | None = None  # set when the Runtime refuses work for good (broken, closed)
         # Readers push under this condition; the dispatcher waits on it for any camera's frame.
         self._cond = threading.Condition()
@@ -256,6 +259,9 @@ class CameraService:
             url = url.strip()
         else:
             url = check_stream_url(url)
+            if self.allowed_url_prefixes and not any(url.startswith(p) for p in self.allowed_url_prefixes):
+                raise CameraError("url", f"url {redact(url)!r} is not under an allowed prefix "
+                                         f"(--allowed-url-prefixes)")  # fmt: skip
         cap = check_max_fps(max_fps)
         cap = self.max_fps if cap is None else cap
         with self._cond:

@@ -154,6 +154,9 @@ def add_streams_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8100, help="HTTP control port (0: a free one, printed)")
     p.add_argument("--instance", default=None, help="this service's name in Redis and /metrics (default: host and pid)")
     p.add_argument("--max-cameras", type=int, default=64, help="most cameras at once")
+    p.add_argument("--allowed-url-prefixes", default=None,
+                   help="comma-separated URL prefixes cameras added over HTTP or Redis must start with "
+                        "(default: any network stream)")  # fmt: skip
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: at a signal)")
     g = p.add_argument_group("vision")
     g.add_argument("--vision-model", default="yolo26n.yaml", help="a model .yaml (random weights) or a local .pt")
@@ -278,6 +281,7 @@ def _serve(args, urls: list[str], vision: dict, redis_client, server: ControlSer
         service = CameraService(
             runtime, redis_client, maxlen=args.maxlen, max_fps=args.max_fps, jsonl=jsonl, instance=args.instance,
             max_cameras=args.max_cameras,
+            allowed_url_prefixes=tuple(u.strip() for u in (args.allowed_url_prefixes or "").split(",")),
         )
         for i, url in enumerate(urls):
             service.add(f"cam{i}", url, allow_local=True)
