@@ -113,3 +113,25 @@ def test_metrics_render_as_prometheus_text_with_vllm_names():
     cam = (("camera", "door"), ("instance", "cams"))
     assert samples[("tandem:camera_up", (*cam, ("state", "retrying")))] == 0
     assert samples[("tandem:camera_frames_dropped_total", cam)] == 2
+
+
+def test_an_unreachable_redis_is_503_with_retry_after_not_a_crash():
+    import socket
+
+    from fastapi.testclient import TestClient
+
+    from runtime.server.app import create_app
+    from runtime.server.backends import JobsBackend
+    from workers.settings import JobSettings
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = JobsBackend(JobSettings(redis_url=f"redis://127.0.0.1:{port}/0", reconnect_s=0))
+    with TestClient(create_app(backend)) as client:
+        for method, path, body in (("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "hi"}),
+                                   ("POST", "/v1/jobs", {"prompt": "hi"}), ("GET", "/v1/jobs/abc", None)):  # fmt: skip
+            resp = client.request(method, path, json=body)
+            assert resp.status_code == 503 and resp.headers["retry-after"], (path, resp.text)
+            assert "Redis" in resp.json()["error"]["message"]
+        assert client.get("/health").status_code == 503

@@ -76,6 +76,17 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
     async def _client_gone(_request: Request, _exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody to answer; its work was cancelled
 
+    async def _redis_down(_request: Request, exc: Exception) -> JSONResponse:
+        # A Redis restart, usually: worth a retry, and no reason for a traceback per request.
+        err = APIError(503, f"the job store (Redis) is unreachable: {exc}", headers={"Retry-After": "2"})
+        return JSONResponse(err.body(), status_code=503, headers=err.headers)
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    app.add_exception_handler(RedisConnectionError, _redis_down)
+    app.add_exception_handler(RedisTimeoutError, _redis_down)
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, _exc: Exception) -> JSONResponse:
         # One request's bug, not the server's end. (A plain exception handler, not an HTTP

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import time
 import uuid
@@ -88,9 +89,12 @@ class JobsBackend:
         self._submit = self.redis.register_script(lua.SUBMIT)
         self._cancel = self.redis.register_script(lua.CANCEL)
         self._models: tuple[float, list[dict]] = (0.0, [])
+        self._client = None  # a sync JobClient for status reads, made on first use
 
     async def close(self) -> None:
         await self.redis.aclose()
+        if self._client is not None:
+            self._client.close()
 
     # ---- what the fleet serves --------------------------------------------------------------
 
@@ -196,15 +200,19 @@ class JobsBackend:
     async def status(self, job_id: str) -> dict | None:
         from workers.client import JobClient, JobNotFoundError
 
+        if self._client is None:  # one pool of sync connections, shared by the status threads
+            # A request waits a little for a restarting Redis, not the workers' full minute.
+            settings = dataclasses.replace(self.settings, reconnect_s=min(2.0, self.settings.reconnect_s))
+            self._client = JobClient(settings=settings)
+
         def read() -> dict | None:
-            with JobClient(settings=self.settings) as client:
-                try:
-                    out = client.status(job_id)
-                except JobNotFoundError:
-                    return None
-                if out["state"] == "done":
-                    out["result"] = client.result(job_id, timeout=0)
-                return out
+            try:
+                out = self._client.status(job_id)
+            except JobNotFoundError:
+                return None
+            if out["state"] == "done":
+                out["result"] = self._client.result(job_id, timeout=0)
+            return out
 
         return await asyncio.to_thread(read)
 
