@@ -158,7 +158,7 @@ def test_phase_measures_ttft_tpot_and_usage_tokens():
         assert len(r.itl) == 7 and all(x > 0 for x in r.itl)
         assert r.tpot == pytest.approx((r.e2e - r.ttft) / 7)
         assert 0.009 <= r.tpot < 0.1
-        assert r.e2e >= r.ttft + 7 * 0.01
+        assert r.e2e >= r.ttft + 7 * 0.009  # gaps seen by the client jitter around the 10 ms sent
     body = fake.bodies[0]
     assert body["prompt"] in prompts and body["max_tokens"] == 8 and body["model"] == "fake-model"
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
