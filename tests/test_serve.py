@@ -495,7 +495,27 @@ def test_an_oversized_body_is_413_declared_or_chunked(env):
 
     chunked = httpx.post(url, content=chunks(), headers={"content-type": "application/json"}, timeout=30)
     assert chunked.status_code == 413 and chunked.json()["error"]["code"] == 413
+    boundary = b"tandemboundary"
+    upload = (b"--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; filename="big.jpg"\r\n'
+              b"Content-Type: image/jpeg\r\n\r\n" + b"\xff" * (MAX_BODY + 1) + b"\r\n--" + boundary + b"--\r\n")
+
+    def upload_chunks():  # a chunked multipart upload: no Content-Length either
+        for i in range(0, len(upload), 4096):
+            yield upload[i : i + 4096]
+
+    multipart = httpx.post(env.server.url + "/v1/detect", content=upload_chunks(), timeout=30,
+                           headers={"content-type": "multipart/form-data; boundary=tandemboundary"})  # fmt: skip
+    assert multipart.status_code == 413, multipart.text
     assert_serving(env)
+
+
+def test_the_same_job_id_with_other_arguments_is_409(env):
+    url = env.server.url + "/v1/jobs"
+    first = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, "job_id": "same-id-409"}, timeout=10)
+    again = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, "job_id": "same-id-409"}, timeout=10)
+    assert first.status_code == 202 and again.status_code == 202 and again.json()["created"] is False
+    other = httpx.post(url, json={"prompt": "Bye", "max_tokens": 2, "job_id": "same-id-409"}, timeout=10)
+    assert other.status_code == 409 and other.json()["error"]["param"] == "job_id"
 
 
 # ---- timeouts ---------------------------------------------------------------------------------------

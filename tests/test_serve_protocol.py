@@ -25,7 +25,8 @@ def _param(fn, body) -> str:
     ("max_tokens", -1), ("max_tokens", "12"), ("temperature", -0.5), ("top_p", 1.5), ("top_p", 0),
     ("top_k", -3), ("min_tokens", 99), ("seed", "x"), ("stop_token_ids", [-1]), ("priority", 1.5),
     ("n", 2), ("logprobs", 3), ("echo", True), ("stream", "yes"), ("request_timeout", 0),
-    ("presence_penalty", 5), ("bogus_field", 1),
+    ("presence_penalty", 5), ("bogus_field", 1), ("request_timeout", float("nan")),
+    ("temperature", float("inf")), ("temperature", float("nan")),
 ])  # fmt: skip
 def test_each_bad_completion_field_is_refused_naming_it(field, value):
     body = {"prompt": "hi", "max_tokens": 8, field: value}

@@ -289,7 +289,9 @@ def _reserved_ids() -> list[str]:
         from celery.worker import state
     except ImportError:  # pragma: no cover - celery is a dependency
         return []
-    return [r.id for r in list(state.reserved_requests)]
+    # `requests` is a dict (reserved and running, by id): copying its keys is one atomic step,
+    # where iterating the WeakSet `reserved_requests` can fail while the consumer adds to it.
+    return list(state.requests)
 
 
 # ---- the process's host ---------------------------------------------------------------------

@@ -166,6 +166,7 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
             later(_close(stream, events))
             raise
         if first["type"] in ("failed", "cancelled"):
+            await events.aclose()
             raise _failure(first)
         if gen.stream:
             return StreamingResponse(sse(gen, model, stream, events, first, deadline), media_type="text/event-stream",
@@ -251,13 +252,18 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
 
         if task == "generate":
             spec = parse_generate(body)
-            await b.check_capacity("llm")
-            job_id, created, state = await b.submit("tandem.generate", body, job_id=job_id, priority=spec.priority,
-                                                    max_tokens=spec.params.max_tokens)  # fmt: skip
+            queue, name, max_tokens = "llm", "tandem.generate", spec.params.max_tokens
         else:
             spec = parse_detect(body)
-            await b.check_capacity("vision")
-            job_id, created, state = await b.submit("tandem.detect", body, job_id=job_id, priority=spec.priority)
+            queue, name, max_tokens = "vision", "tandem.detect", 0
+        await b.check_capacity(queue)
+        try:
+            job_id, created, state = await b.submit(name, body, job_id=job_id, priority=spec.priority,
+                                                    max_tokens=max_tokens)  # fmt: skip
+        except ValueError as exc:
+            if "already used" in str(exc):  # the same job id with other arguments
+                raise APIError(409, str(exc), "job_id", type_="conflict") from None
+            raise
         return {"job_id": job_id, "state": state, "created": created}
 
     @app.get("/v1/jobs/{job_id}")
@@ -299,12 +305,17 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
         ctype = request.headers.get("content-type", "")
         timeout = config.request_timeout_s
         if ctype.startswith("multipart/form-data"):
-            check_length(request)
+            # Read the body within the limit first (a chunked upload has no Content-Length to
+            # check); the form parser then reads it from memory.
+            request._body = await read_body(request)
             form = await request.form(max_part_size=config.max_body_bytes)
-            upload = form.get("file") or form.get("image")
-            if upload is None or isinstance(upload, str):
-                raise APIError(400, "upload the image as the form field 'file'", "file")
-            data = await upload.read()
+            try:
+                upload = form.get("file") or form.get("image")
+                if upload is None or isinstance(upload, str):
+                    raise APIError(400, "upload the image as the form field 'file'", "file")
+                data = await upload.read()
+            finally:
+                await form.close()
             if not data:
                 raise APIError(400, "file: the uploaded image is empty", "file")
             kind, value = "image", data

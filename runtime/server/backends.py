@@ -271,7 +271,7 @@ class HandleStream(Stream):
         self._wake = asyncio.Event()
         self._loop = loop
         self.final = None
-        handle.set_listener(lambda: loop.call_soon_threadsafe(self._wake.set))
+        handle.set_listener(lambda: loop.is_closed() or loop.call_soon_threadsafe(self._wake.set))
 
     async def events(self) -> AsyncIterator[dict]:
         from concurrent.futures import CancelledError
@@ -358,8 +358,8 @@ class EmbeddedBackend:
         prompt = job.pop("messages", None) or job.pop("prompt")
         priority = job.pop("priority", 0)
         params = SamplingParams(**job)
-        try:
-            handle = rt.submit_generate(prompt, params, priority=priority, deadline_s=deadline_s)
+        try:  # the chat template and the tokenizer run off the event loop
+            handle = await asyncio.to_thread(rt.submit_generate, prompt, params, priority, deadline_s)
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
         return HandleStream(handle, asyncio.get_running_loop())
@@ -371,6 +371,7 @@ class EmbeddedBackend:
         from types import SimpleNamespace
 
         from runtime.vision.cli import _line
+        from schedulers.batch_queue import QueueFullError
         from workers.jobs import _decode, _fetch
         from workers.jobspec import allowed_path, allowed_url
 
@@ -388,6 +389,8 @@ class EmbeddedBackend:
             future = rt.submit_detect(item, deadline_s=deadline_s)
         except ValueError as exc:
             raise APIError(400, str(exc), kind) from None
+        except QueueFullError as exc:
+            raise APIError(503, f"the vision queue is full ({exc}); retry later", headers={"Retry-After": "1"}) from None
         wrapped = asyncio.wrap_future(future)
         try:
             det = await wrapped

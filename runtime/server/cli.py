@@ -31,8 +31,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_queued < 0:
-        raise ValueError(f"--max-queued must be >= 0, got {args.max_queued}")
+    if args.max_queued < 1:
+        raise ValueError(f"--max-queued must be >= 1, got {args.max_queued}")
     if not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if args.max_body_bytes < 1024:

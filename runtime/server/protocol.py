@@ -9,6 +9,7 @@ with the HTTP status OpenAI's API would give.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import uuid
@@ -87,6 +88,11 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _is_finite(v: Any) -> bool:
+    """A number that is not NaN or infinite (Python's json reads NaN and Infinity)."""
+    return _is_number(v) and math.isfinite(v)
+
+
 def _common(body: dict, kind: str) -> tuple[dict, bool, bool, float | None]:
     """Sampling fields, priority, stream flags and timeout shared by both endpoints."""
     for name, allowed in _ONLY_DEFAULT.items():
@@ -103,7 +109,7 @@ def _common(body: dict, kind: str) -> tuple[dict, bool, bool, float | None]:
     if "max_tokens" in job and (not _is_int(job["max_tokens"]) or job["max_tokens"] < 1):
         name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
         raise bad(name, f"{name} must be an integer >= 1, got {job['max_tokens']!r}")
-    if "temperature" in job and (not _is_number(job["temperature"]) or job["temperature"] < 0):
+    if "temperature" in job and (not _is_finite(job["temperature"]) or job["temperature"] < 0):
         raise bad("temperature", f"temperature must be a number >= 0 (0 = greedy), got {job['temperature']!r}")
     if "top_p" in job and (not _is_number(job["top_p"]) or not 0 < job["top_p"] <= 1):
         raise bad("top_p", f"top_p must be a number in (0, 1], got {job['top_p']!r}")
@@ -130,7 +136,7 @@ def _common(body: dict, kind: str) -> tuple[dict, bool, bool, float | None]:
     if include_usage and not stream:
         raise bad("stream_options", "stream_options is only allowed when stream is true")
     timeout = body.get("request_timeout")
-    if timeout is not None and (not _is_number(timeout) or timeout <= 0):
+    if timeout is not None and (not _is_finite(timeout) or timeout <= 0):
         raise bad("request_timeout", f"request_timeout must be a number of seconds > 0, got {timeout!r}")
     return job, bool(stream), include_usage, timeout
 
