@@ -5,7 +5,7 @@ camera service), snapshotted as JSON, and rendered for Prometheus under vLLM's n
 Why JSON snapshots and not prometheus_client objects in each process: a fleet is many
 processes (workers, camera services) behind one `tandem serve`. Each publishes its snapshot to
 Redis at every heartbeat (`publish`), and the server's `/metrics` renders all of them
-(`render`), each under its own `instance` label: one scrape sees the whole fleet, and nothing
+(`render`), each under its own `tandem_instance` label: one scrape sees the whole fleet, and nothing
 here imports torch or prometheus_client until a scrape renders.
 
     m = ServingMetrics()
@@ -177,7 +177,9 @@ def families(payloads: list[dict]) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     runtimes = [p for p in payloads if p.get("metrics")]
-    labels = ["instance", "model_name"]
+    # Not "instance": Prometheus sets that label on every target it scrapes (ours would be
+    # renamed exported_instance), while this one names the fleet's process behind the server.
+    labels = ["tandem_instance", "model_name"]
 
     def key(p: dict) -> list[str]:
         return [str(p.get("instance", "")), str(p.get("model_name") or "")]
@@ -220,7 +222,7 @@ def _camera_families(payloads: list[dict]) -> Iterator[Any]:
     "reconnects", "state"} as a camera service lists them under "cameras"."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    labels = ["instance", "camera"]
+    labels = ["tandem_instance", "camera"]
     cams = [(str(p.get("instance", "")), c) for p in payloads for c in p.get("cameras", ())]
     up = GaugeMetricFamily(PREFIX + "camera_up", "1 while the camera delivers frames, else 0.",
                            labels=[*labels, "state"])  # fmt: skip

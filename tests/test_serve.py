@@ -716,7 +716,7 @@ def test_metrics_parse_and_count_the_requests(env):
         (count,) = [s.value for s in fam.samples if s.name.endswith("_count") and s.labels["model_name"] == env.model]
         assert count == counts[-1] > 0
     for s in fams["tandem:prompt_tokens"].samples:
-        assert s.labels["model_name"] == env.model and s.labels["instance"].startswith("main@serve")
+        assert s.labels["model_name"] == env.model and s.labels["tandem_instance"].startswith("main@serve")
 
 
 # ---- vision -----------------------------------------------------------------------------------------

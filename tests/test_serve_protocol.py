@@ -102,18 +102,22 @@ def test_metrics_render_as_prometheus_text_with_vllm_names():
     text = metrics.render([{"instance": "w1", "model_name": "m", "metrics": snap}, cams]).decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
-    w = (("instance", "w1"), ("model_name", "m"))
-    assert samples[("tandem:num_requests_running", w)] == 2
-    assert samples[("tandem:generation_tokens_total", w)] == 11
-    assert samples[("tandem:prompt_tokens_total", w)] == 30
-    assert samples[("tandem:request_success_total", (("finished_reason", "deadline_exceeded"), *w))] == 1
-    assert samples[("tandem:time_to_first_token_seconds_count", w)] == 2
-    assert samples[("tandem:inter_token_latency_seconds_count", w)] == 7 + 2
-    assert samples[("tandem:vision_batch_size_bucket", (w[0], ("le", "4.0"), w[1]))] == 1
-    assert samples[("tandem:vision_queue_delay_seconds_count", w)] == 4
-    cam = (("camera", "door"), ("instance", "cams"))
-    assert samples[("tandem:camera_up", (*cam, ("state", "retrying")))] == 0
-    assert samples[("tandem:camera_frames_dropped_total", cam)] == 2
+
+    def at(name: str, **labels) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    w = {"tandem_instance": "w1", "model_name": "m"}
+    assert at("tandem:num_requests_running", **w) == 2
+    assert at("tandem:generation_tokens_total", **w) == 11
+    assert at("tandem:prompt_tokens_total", **w) == 30
+    assert at("tandem:request_success_total", finished_reason="deadline_exceeded", **w) == 1
+    assert at("tandem:time_to_first_token_seconds_count", **w) == 2
+    assert at("tandem:inter_token_latency_seconds_count", **w) == 7 + 2
+    assert at("tandem:vision_batch_size_bucket", le="4.0", **w) == 1
+    assert at("tandem:vision_queue_delay_seconds_count", **w) == 4
+    cam = {"camera": "door", "tandem_instance": "cams"}
+    assert at("tandem:camera_up", state="retrying", **cam) == 0
+    assert at("tandem:camera_frames_dropped_total", **cam) == 2
 
 
 def test_an_unreachable_redis_is_503_with_retry_after_not_a_crash():

@@ -136,7 +136,7 @@ def test_live_cameras_deliver_to_redis_while_dead_and_stalled_ones_are_retried(r
     samples = _scrape(page.text)
     for name in ("dead", "stalled"):
         value, labels = samples[("tandem:camera_up", name)]
-        assert value == 0 and labels["state"] in ("connecting", "retrying") and labels["instance"] == "svc-main"
+        assert value == 0 and labels["state"] in ("connecting", "retrying") and labels["tandem_instance"] == "svc-main"
         assert samples[("tandem:camera_reconnects_total", name)][0] >= 2
         assert samples[("tandem:camera_frames_total", name)][0] == 0
     for name in ("a", "b"):
