@@ -138,6 +138,17 @@ class ServingMetrics:
             }
 
 
+def runtime_payload(runtime: Any, model_name: str | None) -> dict:
+    """What a process serving a Runtime publishes (a worker) or renders itself (`tandem serve
+    --embedded`): what it serves, its model, and its metrics snapshot."""
+    payload: dict[str, Any] = {"kind": "runtime", "serves": [], "metrics": runtime.metrics_snapshot()}
+    if runtime.llm is not None:
+        payload.update(serves=["llm"], model_name=model_name, max_model_len=runtime.max_model_len)
+    if runtime.vision is not None:
+        payload["serves"].append("vision")
+    return payload
+
+
 # ---- fleet: publish to Redis, read back --------------------------------------------------------
 
 

@@ -78,6 +78,17 @@ class CameraConflict(CameraError):
     """The id is taken, or the service has all the cameras it may have."""
 
 
+def json_object(raw: str | bytes, field: str, message: str) -> dict:
+    """`raw` parsed as a JSON object, else CameraError(field, message)."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise CameraError(field, message) from None
+    if not isinstance(obj, dict):
+        raise CameraError(field, message)
+    return obj
+
+
 def check_camera_id(camera_id: object) -> str:
     if not isinstance(camera_id, str) or not _CAMERA_ID.fullmatch(camera_id):
         raise CameraError("camera", f"camera must be 1-64 characters of [A-Za-z0-9._-], got {camera_id!r}")
@@ -537,12 +548,7 @@ class CameraService:
         {"ok", "camera" row | "error", "field"} is pushed for the sender (kept REPLY_TTL_S)."""
         reply_id = None
         try:
-            try:
-                cmd = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
-                raise CameraError("command", "a command must be a JSON object") from None
-            if not isinstance(cmd, dict):
-                raise CameraError("command", "a command must be a JSON object")
+            cmd = json_object(raw, "command", "a command must be a JSON object")
             if "id" in cmd:
                 if not isinstance(cmd["id"], str) or not _CAMERA_ID.fullmatch(cmd["id"]):
                     raise CameraError("id", f"id must be 1-64 characters of [A-Za-z0-9._-], got {cmd['id']!r}")

@@ -22,7 +22,6 @@ at start, the Runtime broke), 2 bad arguments or input.
 """
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -42,7 +41,7 @@ def create_app(service):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
 
-    from workers.cameras import CameraConflict, CameraError, CameraNotFound
+    from workers.cameras import CameraConflict, CameraError, CameraNotFound, json_object
 
     app = FastAPI(title="tandem streams", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -60,12 +59,7 @@ def create_app(service):
         body = await request.body()
         if len(body) > MAX_BODY:
             raise CameraError("body", f"the body must be a JSON object under {MAX_BODY} bytes")
-        try:
-            cmd = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise CameraError("body", 'the body must be a JSON object {"camera", "url", "max_fps"?}') from None
-        if not isinstance(cmd, dict):
-            raise CameraError("body", 'the body must be a JSON object {"camera", "url", "max_fps"?}')
+        cmd = json_object(body, "body", 'the body must be a JSON object {"camera", "url", "max_fps"?}')
         if "op" in cmd:
             raise CameraError("op", "op is for the Redis control list; POST adds, DELETE removes")
         return {"camera": service.apply({**cmd, "op": "add"})}

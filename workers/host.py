@@ -239,14 +239,8 @@ class WorkerHost:
         rt = self.runtime
         if rt is None:
             return None
-        payload = {"kind": "runtime", "worker": self.worker_id, "serves": [], "metrics": rt.metrics_snapshot()}
-        if rt.llm is not None:
-            payload["serves"].append("llm")
-            payload["model_name"] = served_model_name(rt.llm.config.model)
-            payload["max_model_len"] = rt.max_model_len
-        if rt.vision is not None:
-            payload["serves"].append("vision")
-        return payload
+        name = served_model_name(rt.llm.config.model) if rt.llm is not None else None
+        return {**metrics.runtime_payload(rt, name), "worker": self.worker_id}
 
     def _publish_metrics(self) -> None:
         payload = self.metrics_payload()

@@ -127,15 +127,16 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
                 models.setdefault(name, {"id": name, "max_model_len": w.get("max_model_len")})
         return models
 
-    async def resolve_model(gen: Generation) -> str:
+    async def resolve_model(gen: Generation) -> dict:
+        """The served model the request names (the only one, if it names none)."""
         models = await served_models()
         if not models:
             raise APIError(503, "no worker serving an LLM is up yet; retry later", headers={"Retry-After": "2"})
         if gen.model is None:
-            return next(iter(models))
+            return next(iter(models.values()))
         if gen.model not in models:
             raise APIError(404, f"the model {gen.model!r} does not exist; served: {sorted(models)}", "model")
-        return gen.model
+        return models[gen.model]
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -150,10 +151,11 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
         return min(gen.timeout_s or config.request_timeout_s, config.request_timeout_s)
 
     async def run(gen: Generation, request: Request) -> Response:
-        model = await resolve_model(gen)
+        served = await resolve_model(gen)
+        model = served["id"]
         if gen.kind == "chat" and "max_tokens" not in gen.job:
             # As vLLM: a chat answer may use what the context leaves (the engine caps it there).
-            gen.job["max_tokens"] = int((await served_models())[model]["max_model_len"] or 2048)
+            gen.job["max_tokens"] = int(served["max_model_len"] or 2048)
         timeout = timeout_of(gen)
         deadline = time.monotonic() + timeout
         stream = await backend.generate(gen, timeout)

@@ -22,36 +22,30 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 from runtime.server.protocol import APIError, Generation
 
 MODELS_TTL_S = 1.0  # how long the list of served models (read from Redis) is reused
 
 
-class Stream:
-    """One generation's events. Iterate it; `cancel()` stops the work behind it."""
+class Stream(Protocol):
+    """One generation's events: iterate `events()`; `cancel()` stops the work behind it;
+    `usage()` gives the token counts once it is done. JobStream and HandleStream are the two."""
 
     id: str
 
-    def __aiter__(self) -> AsyncIterator[dict]:
-        return self.events()
+    def events(self) -> AsyncIterator[dict]: ...
 
-    async def events(self) -> AsyncIterator[dict]:  # pragma: no cover - interface
-        raise NotImplementedError
-        yield {}
+    async def usage(self) -> dict: ...
 
-    async def usage(self) -> dict:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    async def cancel(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    async def cancel(self) -> None: ...
 
 
 # ---- jobs over Redis and Celery -----------------------------------------------------------------
 
 
-class JobStream(Stream):
+class JobStream:
     def __init__(self, backend: JobsBackend, job_id: str) -> None:
         self.backend = backend
         self.id = job_id
@@ -226,7 +220,7 @@ class JobsBackend:
         job_id, _, _ = await self.submit("tandem.detect", kwargs)
         stream = JobStream(self, job_id)
         try:
-            async for event in stream:
+            async for event in stream.events():
                 if event["type"] == "failed":
                     raise _job_error(event)
                 if event["type"] == "cancelled":
@@ -262,7 +256,7 @@ def _job_error(event: dict) -> APIError:
 # ---- a Runtime in this process ------------------------------------------------------------------
 
 
-class HandleStream(Stream):
+class HandleStream:
     """A GenerationHandle read from the event loop: the handle's listener wakes the loop."""
 
     def __init__(self, handle, loop: asyncio.AbstractEventLoop) -> None:
@@ -323,13 +317,9 @@ class EmbeddedBackend:
         await asyncio.to_thread(self.runtime.close, False, 30)
 
     def _payload(self) -> dict:
-        rt = self.runtime
-        payload = {"kind": "runtime", "instance": "embedded", "serves": [], "metrics": rt.metrics_snapshot()}
-        if rt.llm is not None:
-            payload.update(serves=["llm"], model_name=self.model_name, max_model_len=rt.max_model_len)
-        if rt.vision is not None:
-            payload["serves"].append("vision")
-        return payload
+        from runtime.metrics import runtime_payload
+
+        return {**runtime_payload(self.runtime, self.model_name), "instance": "embedded"}
 
     async def payloads(self) -> list[dict]:
         return [self._payload()]
