@@ -10,6 +10,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The Triton kernels' tests run on CPU in Triton's interpreter. The flag must be set before
+# anything imports triton: triton.language's own helpers (tl.zeros, tl.sum, ...) are decorated
+# once, at import, for the mode the flag names then.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Test modules import Ultralytics at collection; without this, its OMP_NUM_THREADS=1 default
 # would make every torch op of the session single-threaded.
 from runtime.vision.ultralytics_import import import_ultralytics  # noqa: E402
