@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kernels.paged_attention import (
     decode_mask,
-    decode_slot_table,
+    gather_blocks,
     paged_decode_attention,
     paged_prefill_attention,
     slot_table,
@@ -67,10 +67,9 @@ def test_decode_matches_dense(dtype, tol):
     nblk = -(-max_len // BLOCK)
     # Pad tables with a block full of junk: the mask must hide it.
     tables = torch.stack([torch.cat([t, torch.full((nblk - len(t),), 63)]) for t, _, _ in seqs])
-    slots = slot_table(tables, BLOCK)[:, :max_len]
     for mask_dtype in (None, dtype):  # boolean and additive masks
-        mask = decode_mask(torch.tensor(lengths), max_len, mask_dtype)
-        out = paged_decode_attention(q, k_cache, v_cache, slots, mask, HD**-0.5)
+        mask = decode_mask(torch.tensor(lengths), nblk * BLOCK, mask_dtype)
+        out = paged_decode_attention(q, k_cache, v_cache, tables, mask, HD**-0.5)
         for i, (n, (_, k, v)) in enumerate(zip(lengths, seqs)):
             ref = dense_attention(q[i : i + 1], k, v, n - 1)[0]
             torch.testing.assert_close(out[i].float(), ref, atol=tol, rtol=tol)
@@ -78,30 +77,43 @@ def test_decode_matches_dense(dtype, tol):
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
 def test_decode_padding_reads_nothing(poison):
-    """Every slot no sequence owns holds NaN or inf (stale K/V of another request), the padding
-    block of the tables included: the outputs stay finite and equal the dense reference,
-    because padding reads the zeroed pad slot and never the junk it would point at."""
+    """Every block no sequence owns holds NaN or inf (stale K/V of another request), and so do
+    the padding block's neighbours: the outputs stay finite and equal the dense reference.
+    The tables are padded with a zeroed block, and the unwritten tail of each sequence's last
+    block is zero, as the runner leaves every block it hands out."""
     lengths = [1, 5, 17, 8, 30]
     k_cache, v_cache, seqs = random_sequences(lengths, torch.float32, 4)
+    used = {b for table, _, _ in seqs for b in table.tolist()}
+    pad_block = next(b for b in range(NUM_BLOCKS) if b not in used)
     owned = torch.zeros(NUM_BLOCKS * BLOCK, dtype=torch.bool)
     for n, (table, _, _) in zip(lengths, seqs):
         owned[slot_table(table.unsqueeze(0), BLOCK)[0, :n]] = True
-    used = {b for table, _, _ in seqs for b in table.tolist()}
-    pad_block, junk_block = [b for b in range(NUM_BLOCKS) if b not in used][:2]
+    in_owned_block = torch.zeros(NUM_BLOCKS, dtype=torch.bool)
+    in_owned_block[list(used)] = True
+    in_owned_block = in_owned_block.repeat_interleave(BLOCK)
     for cache in (k_cache, v_cache):
-        cache.view(-1, NKV, HD)[~owned] = poison
+        flat = cache.view(-1, NKV, HD)
+        flat[~in_owned_block] = poison
+        flat[in_owned_block & ~owned] = 0.0  # zeroed when handed out, not written since
         cache[pad_block] = 0.0
     q = torch.randn(len(lengths), NH, HD, generator=torch.Generator().manual_seed(5))
-    max_len = max(lengths)
-    nblk = -(-max_len // BLOCK)
-    tables = torch.stack([torch.cat([t, torch.full((nblk - len(t),), junk_block)]) for t, _, _ in seqs])
-    slots = decode_slot_table(tables, torch.tensor(lengths), BLOCK, max_len, pad_block * BLOCK)
+    nblk = -(-max(lengths) // BLOCK)
+    tables = torch.stack([torch.cat([t, torch.full((nblk - len(t),), pad_block)]) for t, _, _ in seqs])
     for mask_dtype in (None, torch.float32):
-        mask = decode_mask(torch.tensor(lengths), max_len, mask_dtype)
-        out = paged_decode_attention(q, k_cache, v_cache, slots, mask, HD**-0.5)
+        mask = decode_mask(torch.tensor(lengths), nblk * BLOCK, mask_dtype)
+        out = paged_decode_attention(q, k_cache, v_cache, tables, mask, HD**-0.5)
         assert torch.isfinite(out).all()
         for i, (n, (_, k, v)) in enumerate(zip(lengths, seqs)):
             torch.testing.assert_close(out[i], dense_attention(q[i : i + 1], k, v, n - 1)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_gather_blocks_is_the_slot_gather():
+    k_cache, _, seqs = random_sequences([7, 19], torch.float32, 6)
+    width = max(len(t) for t, _, _ in seqs)
+    tables = torch.stack([torch.cat([t, t[:1].repeat(width - len(t))]) for t, _, _ in seqs])
+    slots = slot_table(tables, BLOCK)
+    flat = k_cache.view(-1, NKV, HD)
+    assert torch.equal(gather_blocks(k_cache, tables), flat[slots.reshape(-1)].view(*slots.shape, NKV, HD))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])

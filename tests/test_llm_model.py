@@ -181,6 +181,28 @@ def test_chunked_prefill_mixed_with_decodes(model_dir, hf_model):
         torch.testing.assert_close(d.logits_of(plan, rid), ref, atol=2e-5, rtol=1e-5)
 
 
+def test_triton_attention_path_matches_hf(model_dir, hf_model):
+    """The GPU path's metadata (int32 block tables, context lengths, every prefill chunk in one
+    launch) run through the Triton kernels on CPU under TRITON_INTERPRET=1: decodes and
+    chunked prefills, with and without cached context, give HF's logits."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 set before triton is imported (tests/conftest.py sets it without CUDA)")
+    d = Driver(make_runner(model_dir, attention_backend="triton"))
+    long_prompt = prompt(4, 23)
+    d.add("x", prompt(5, 6))
+    d.add("y", prompt(6, 9))
+    d.step({"x": 6, "y": 9})
+    d.add("long", long_prompt)
+    d.add("z", prompt(10, 7))
+    d.step({"x": 1, "long": 7, "y": 1, "z": 7})
+    plan, _ = d.step({"y": 1, "long": 16, "x": 1, "z": 1})
+    torch.testing.assert_close(d.logits_of(plan, "long"), hf_logits(hf_model, long_prompt)[-1], atol=1e-4, rtol=1e-4)
+    for rid in ("x", "y", "z"):
+        ref = hf_logits(hf_model, d.reqs[rid]["tokens"][:-1])[-1]
+        torch.testing.assert_close(d.logits_of(plan, rid), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_prefix_cache_hit_and_preemption_replay(model_dir, hf_model):
     runner = make_runner(model_dir)
     d = Driver(runner)
@@ -289,7 +311,7 @@ def test_unpacked_weights_path_matches_hf(model_dir, hf_model):
 
     runner = make_runner(model_dir)
     loaded = load_model(model_dir)
-    runner.model = LlamaModel(runner.spec, loaded.state_dict, torch.float32, "cpu", 128, pack_weights=False)
+    runner.model = LlamaModel.from_state_dict(runner.spec, loaded.state_dict, torch.float32, "cpu", 128, pack_weights=False)
     assert not runner.model.packed
     d = Driver(runner)
     p = prompt(13, 10)
@@ -300,7 +322,9 @@ def test_unpacked_weights_path_matches_hf(model_dir, hf_model):
     torch.testing.assert_close(d.logits_of(plan, "a"), hf_logits(hf_model, d.reqs["a"]["tokens"][:-1])[-1], atol=2e-5, rtol=1e-5)
 
 
-def test_rms_norm_is_bit_identical_to_hf():
+def test_rms_norm_matches_hf():
+    """float32: bit-identical to HF. bfloat16: HF rounds twice, we round once, so at most one
+    bfloat16 rounding step apart (relative 2**-7), and most values equal (about 3 in 4)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from runtime.llm.model import _rms_norm
@@ -310,4 +334,9 @@ def test_rms_norm_is_bit_identical_to_hf():
         with torch.no_grad():
             ref.weight.normal_()
             x = (torch.randn(37, 64) * 5).to(dtype)
-            assert torch.equal(_rms_norm(x, ref.weight.data, 1e-5), ref(x))
+            ours, theirs = _rms_norm(x, ref.weight.data, 1e-5), ref(x)
+            if dtype == torch.float32:
+                assert torch.equal(ours, theirs)
+            else:
+                rel = ((ours.float() - theirs.float()).abs() / theirs.float().abs().clamp_min(1e-30)).max().item()
+                assert rel <= 2**-7 and (ours == theirs).float().mean() > 0.5, rel

@@ -2,16 +2,22 @@
 
 All scheduled tokens of all requests are concatenated into one [num_tokens, hidden] batch
 (Orca's selective batching): embeddings, norms, projections and the MLP see every token at
-once; only attention splits by sequence (kernels/paged_attention.py). Logits are computed
-for the sampling rows only, gathered before the final norm and lm_head.
+once; only attention splits by sequence (kernels/paged_attention.py on CPU,
+kernels/triton_attention.py on CUDA). Logits are computed for the sampling rows only,
+gathered before the final norm and lm_head.
+
+The model is a tree of nn.Modules (`state_dict`, `.to()`, hooks and `torch.compile` see
+every weight), named after Hugging Face's with two fusions made at load: q/k/v become one
+`qkv_proj` and gate/up one `gate_up_proj`, two matmuls fewer per layer.
 
 The math follows Hugging Face's LlamaForCausalLM step for step (RMSNorm in float32 then cast,
 the rotate_half RoPE convention, residual order) so that float32 greedy output matches it
-token for token. Q/K/V and gate/up weights are concatenated at load: two matmuls fewer per layer.
+token for token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.paged_attention import gather_kv, paged_decode_attention, prefill_attention, write_kv
+from kernels import paged_attention as cpu_attn
 
 
 @dataclass(slots=True)
@@ -37,6 +43,10 @@ class ModelSpec:
     rope_scaling: dict | None  # llama3-style parameters, or None for plain RoPE
     tie_word_embeddings: bool
     sliding_window: int | None
+    # Which projections carry biases (Qwen2: q/k/v), read off the checkpoint's tensors.
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelSpec":
@@ -67,6 +77,19 @@ class ModelSpec:
             sliding_window=window,
         )
 
+    def with_biases_of(self, state_dict: dict[str, torch.Tensor]) -> "ModelSpec":
+        keys = [k for k in state_dict if k.endswith(".bias")]
+
+        def has(*names: str) -> bool:
+            return any(k.endswith(n) for k in keys for n in names)
+
+        return dataclasses.replace(
+            self,
+            qkv_bias=has("q_proj.bias", "k_proj.bias", "v_proj.bias"),
+            o_bias=has("o_proj.bias"),
+            mlp_bias=has("gate_proj.bias", "up_proj.bias", "down_proj.bias"),
+        )
+
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     """Inverse frequencies as Hugging Face computes them (default and llama3 scaling)."""
@@ -91,7 +114,7 @@ class PrefillChunk:
     token_start: int  # row of the chunk's first token in the flattened batch
     q_len: int
     start: int  # position of the chunk's first token in its sequence
-    slots: torch.Tensor | None  # cache slots of positions [0, start + q_len); None when start == 0
+    block_ids: torch.Tensor | None  # [ceil((start + q_len) / block_size)] its blocks; None when start == 0
 
 
 @dataclass(slots=True)
@@ -100,139 +123,277 @@ class AttentionMetadata:
     the flattened batch (rows [0, num_decodes)), then the prefill chunks."""
 
     slot_mapping: torch.Tensor  # [num_tokens] where each token's K/V goes
+    backend: str = "torch"  # "torch" (kernels/paged_attention.py) or "triton" (kernels/triton_attention.py)
     num_decodes: int = 0
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_context]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context]
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with a zero block
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes]
+    decode_mask: torch.Tensor | None = None  # CPU: [num_decodes, 1, 1, max_blocks * block_size] additive
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Triton path: every prefill chunk in one launch.
+    prefill_block_tables: torch.Tensor | None = None  # [num_chunks, max_blocks] int32
+    prefill_cu_q_lens: torch.Tensor | None = None  # [num_chunks + 1] int32
+    prefill_context_lens: torch.Tensor | None = None  # [num_chunks] int32, start + q_len
+    prefill_max_q_len: int = 0  # from the plan, so the kernel's grid needs no device read
 
 
-def _can_pack(device: str, dtype: torch.dtype) -> bool:
-    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalise in float32, then scale. One fused op (F.rms_norm computes
+    in float32 inside): in float32 bit-identical to HF's written-out formula; in bfloat16 it
+    rounds once where HF rounds twice (after normalising and after scaling), so it is within
+    one bfloat16 rounding of HF, and four dispatches cheaper per call (61 calls a step)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.weight, self.eps)
+
+
+def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pre-pack linear weights here. These are the ops torch.compile's own
+    CPU freezing pass emits (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`);
+    they are not a documented API, so the model checks each packed layer against F.linear
+    once (PackedLinear.pack) and stays on F.linear wherever they are missing or disagree."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return False
     # oneDNN emulates bf16 slowly on CPUs without native support; plain matmuls do better there.
-    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
 
 
-class Linear:
-    """y = x @ W.T + b. On CPU the weight is pre-packed into oneDNN's blocked layout once:
-    plain F.linear re-lays it out on every call, which costs ~30% of a small-batch decode."""
+class PackedLinear(nn.Linear):
+    """nn.Linear that can pre-pack its weight into oneDNN's blocked layout on CPU. Plain
+    F.linear re-lays the weight out on every call, which costs ~30% of a small-batch decode.
 
-    __slots__ = ("weight", "bias", "packed", "num_bytes")
+    Packing replaces `weight` with the packed tensor (an opaque oneDNN tensor, layout
+    torch._mkldnn), so the model holds each weight once. A packed layer's state_dict
+    therefore holds that layout: load weights before packing, and read plain weights from
+    the checkpoint, not from a packed model."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, batch_hint: int) -> None:
-        self.num_bytes = weight.numel() * weight.element_size() + (bias.numel() * bias.element_size() if bias is not None else 0)
-        self.bias = bias
-        self.packed = pack
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if pack else weight
+    packed: bool
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, in_features: int, out_features: int, bias: bool, **kw) -> None:
+        super().__init__(in_features, out_features, bias, **kw)
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.packed = False
+
+    @torch.no_grad()
+    def pack(self, batch_hint: int) -> bool:
+        if self.packed:
+            return True
+        w = self.weight.data
+        probe = torch.randn(3, self.in_features, dtype=w.dtype)
+        want = F.linear(probe, w, self.bias)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none", [], "")
+        tol = 1e-4 if w.dtype == torch.float32 else 5e-2
+        if got.shape != want.shape or not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
+            return False  # this build's oneDNN disagrees: keep the plain path
+        self.weight = nn.Parameter(packed, requires_grad=False)  # an opaque oneDNN tensor (layout torch._mkldnn)
+        self.packed = True
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm, bit for bit: normalise in float32, round to the model dtype, then
-    scale. F.rms_norm does the float32 part as one fused op (bit-identical to the written-out
-    formula), which saves four dispatches per call."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        s = spec
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.scale = s.head_dim**-0.5
+        qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.qkv_proj = PackedLinear(s.hidden_size, qkv, bias=s.qkv_bias)
+        self.o_proj = PackedLinear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.gate_up_proj = PackedLinear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
+        self.down_proj = PackedLinear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        t = h.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(h))
+        qk = _rope(qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
+        attn = _attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        h = h + self.o_proj(attn.reshape(t, nh * hd))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Same products and sums as HF's q * cos + rotate_half(q) * sin, so the same bits; the
+    # tables are half width (HF's cos/sin repeat the same values in both halves).
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if meta.backend == "triton":
+        return _attention_triton(q, k, v, k_cache, v_cache, meta, scale)
+    cpu_attn.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    nd = meta.num_decodes
+    if nd and not meta.prefills:
+        return cpu_attn.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = cpu_attn.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
+    for c in meta.prefills:
+        s, e = c.token_start, c.token_start + c.q_len
+        if c.block_ids is None:  # the chunk is the whole context so far: no cache read needed
+            out[s:e] = cpu_attn.prefill_attention(q[s:e], k[s:e], v[s:e], 0, scale)
+        else:
+            out[s:e] = cpu_attn.paged_prefill_attention(q[s:e], k_cache, v_cache, c.block_ids, c.start, scale)
+    return out
+
+
+def _attention_triton(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    from kernels import triton_attention as tri
+
+    tri.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    nd = meta.num_decodes
+    if nd and not meta.prefills:
+        return tri.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = tri.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+    out[nd:] = tri.paged_prefill_attention(
+        q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q_lens, meta.prefill_context_lens, scale,
+        max_q_len=meta.prefill_max_q_len,
+    )
+    return out
 
 
 class LlamaModel(nn.Module):
-    def __init__(
-        self,
+    """Build with `LlamaModel.from_state_dict` (fused, converted and on the device), or
+    construct empty and `load_weights` a Hugging Face state_dict."""
+
+    def __init__(self, spec: ModelSpec, max_model_len: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = PackedLinear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        freqs = torch.arange(max_model_len, dtype=torch.float32)[:, None] * rope_inv_freq(spec)[None, :]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def packed(self) -> bool:
+        return any(m.packed for m in self.modules() if isinstance(m, PackedLinear))
+
+    @classmethod
+    def from_state_dict(
+        cls,
         spec: ModelSpec,
         state_dict: dict[str, torch.Tensor],
         dtype: torch.dtype,
-        device: str,
+        device: str | torch.device,
         max_model_len: int,
         batch_hint: int = 16,
         pack_weights: bool | None = None,
-    ) -> None:
-        super().__init__()
-        pack = _can_pack(device, dtype) if pack_weights is None else pack_weights
-        self.spec = spec
-        self.dtype = dtype
-        self.scale = spec.head_dim**-0.5
+    ) -> "LlamaModel":
+        """The model on `device` in `dtype`, weights taken from a Hugging Face state_dict
+        (consumed: each tensor is dropped from it once copied, so peak memory stays near one
+        model), CPU weights pre-packed for oneDNN when available (`pack_weights` forces it)."""
+        device = torch.device(device)
+        spec = spec.with_biases_of(state_dict)
+        with torch.device("meta"):
+            model = cls(spec, max_model_len)
+        model.to_empty(device=device)
+        if spec.tie_word_embeddings:  # to_empty makes new Parameters, one per module
+            model.lm_head.weight = model.embed_tokens.weight
+        model.load_weights(state_dict, dtype)
+        freqs = torch.arange(max_model_len, dtype=torch.float32, device=device)[:, None] * rope_inv_freq(spec).to(device)[None, :]
+        model.cos, model.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        pack = onednn_packing_available(device, dtype) if pack_weights is None else pack_weights
+        if pack:
+            model.pack_linears(batch_hint)
+        return model.eval()
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
 
-        def get(name: str) -> torch.Tensor:
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
             if name not in sd:
-                raise ValueError(f"state_dict is missing {name!r} (needed by the Llama-family model)")
-            return sd[name].to(device=device, dtype=dtype)
+                if required:
+                    raise ValueError(f"state_dict is missing {name!r} (needed by the Llama-family model)")
+                return None
+            return sd.pop(name)
 
-        def opt(name: str) -> torch.Tensor | None:
-            return sd[name].to(device=device, dtype=dtype) if name in sd else None
+        def put(param: torch.Tensor, *parts: torch.Tensor) -> None:
+            rows = 0
+            for p in parts:
+                param[rows : rows + p.shape[0]].copy_(p)
+                rows += p.shape[0]
+            if rows != param.shape[0]:
+                raise ValueError(f"weights of {rows} rows do not fit a parameter of shape {tuple(param.shape)}")
 
-        self.embed = get("embed_tokens.weight")
-        self.norm = get("norm.weight")
-        lm_head = sd.get("lm_head.weight")
-        lm_w = self.embed if spec.tie_word_embeddings or lm_head is None else lm_head.to(device=device, dtype=dtype)
-        self.lm_head = Linear(lm_w, None, pack, batch_hint)
-        self.layers: list[dict] = []
-        for i in range(spec.num_layers):
+        self.to(dtype)
+        put(self.embed_tokens.weight, take("embed_tokens.weight"))
+        put(self.norm.weight, take("norm.weight"))
+        lm_head = take("lm_head.weight", required=False)
+        if not self.spec.tie_word_embeddings:
+            put(self.lm_head.weight, lm_head if lm_head is not None else self.embed_tokens.weight)
+        for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            qkv_b = [opt(a + f"{n}_proj.bias") for n in "qkv"]
-            gate_up_b = [opt(m + f"{n}_proj.bias") for n in ("gate", "up")]
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"))
+            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"))
+            for module, names in ((layer.qkv_proj, [a + f"{n}_proj" for n in "qkv"]), (layer.o_proj, [a + "o_proj"]),
+                                  (layer.gate_up_proj, [m + "gate_proj", m + "up_proj"]), (layer.down_proj, [m + "down_proj"])):
+                weights = [take(n + ".weight") for n in names]
+                put(module.weight, *weights)
+                if module.bias is not None:  # a fused layer may have biases on some parts only
+                    put(module.bias, *(b if (b := take(n + ".bias", required=False)) is not None
+                                       else w.new_zeros(w.shape[0]) for n, w in zip(names, weights)))
 
-            def fused(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Linear:
-                bias = None
-                if any(b is not None for b in biases):  # e.g. Qwen2's q/k/v biases
-                    bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
-                return Linear(torch.cat(weights), bias, pack, batch_hint)
-
-            self.layers.append(
-                {
-                    "ln1": get(p + "input_layernorm.weight"),
-                    "ln2": get(p + "post_attention_layernorm.weight"),
-                    "qkv": fused([get(a + f"{n}_proj.weight") for n in "qkv"], qkv_b),
-                    "o": Linear(get(a + "o_proj.weight"), opt(a + "o_proj.bias"), pack, batch_hint),
-                    "gate_up": fused([get(m + "gate_proj.weight"), get(m + "up_proj.weight")], gate_up_b),
-                    "down": Linear(get(m + "down_proj.weight"), opt(m + "down_proj.bias"), pack, batch_hint),
-                }
-            )
-        self.packed = pack
-        freqs = torch.arange(max_model_len, dtype=torch.float32)[:, None] * rope_inv_freq(spec)[None, :]
-        # Half-width tables: HF's cos/sin repeat the same values in both halves.
-        self.cos = freqs.cos().to(device=device, dtype=dtype)
-        self.sin = freqs.sin().to(device=device, dtype=dtype)
+    def pack_linears(self, batch_hint: int) -> None:
+        """Pre-pack every linear layer for oneDNN (CPU). A tied lm_head gets its own packed
+        copy: the embedding must stay in the plain layout for lookups."""
+        if self.lm_head.weight is self.embed_tokens.weight:
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.detach().clone(), requires_grad=False)
+        for m in self.modules():
+            if isinstance(m, PackedLinear):
+                m.pack(batch_hint)
 
     def num_parameter_bytes(self) -> int:
-        """Bytes of every weight held, counting the packed lm_head apart from a tied embedding."""
-        total = sum(t.numel() * t.element_size() for t in (self.embed, self.norm))
-        if not self.packed and self.lm_head.weight is self.embed:
-            total -= self.embed.numel() * self.embed.element_size()
-        total += self.lm_head.num_bytes
-        for layer in self.layers:
-            total += sum(v.num_bytes if isinstance(v, Linear) else v.numel() * v.element_size() for v in layer.values())
+        """Bytes of every weight held (a tied lm_head counted once, a packed copy apart)."""
+        seen: set[int] = set()
+        total = 0
+        for t in list(self.parameters()) + [self.cos, self.sin]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
         return total
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # Same products and sums as HF's q * cos + rotate_half(q) * sin, so the same bits.
-        h = x.shape[-1] // 2
-        x1, x2 = x[..., :h], x[..., h:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-    def _attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        nd = meta.num_decodes
-        if nd and not meta.prefills:
-            return paged_decode_attention(q, k_cache, v_cache, meta.decode_slots, meta.decode_mask, self.scale)
-        out = torch.empty_like(q)
-        if nd:
-            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_slots, meta.decode_mask, self.scale)
-        for c in meta.prefills:
-            s, e = c.token_start, c.token_start + c.q_len
-            if c.slots is None:  # the chunk is the whole context so far: no cache read needed
-                out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], 0, self.scale)
-            else:
-                kk, vv = gather_kv(k_cache, c.slots), gather_kv(v_cache, c.slots)
-                out[s:e] = prefill_attention(q[s:e], kk, vv, c.start, self.scale)
-        return out
 
     @torch.inference_mode()
     def forward(
@@ -245,27 +406,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | None:
         """input_ids, positions [num_tokens]; returns float32 logits [len(sample_rows), vocab]
         (None when no row samples)."""
-        spec = self.spec
-        nh, nkv, hd, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps
-        t = input_ids.shape[0]
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, hd/2], shared by all layers
         sin = self.sin.index_select(0, positions).unsqueeze(1)
-        h = F.embedding(input_ids, self.embed)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            residual = h
-            x = _rms_norm(h, layer["ln1"], eps)
-            qkv = layer["qkv"](x)
-            qk = self._rope(qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)
-            q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            attn = self._attention(q, k, v, k_cache, v_cache, meta)
-            h = residual + layer["o"](attn.reshape(t, nh * hd))
-            residual = h
-            x = _rms_norm(h, layer["ln2"], eps)
-            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            h = residual + layer["down"](F.silu(gate) * up)
+        h = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, kv, meta)
         if sample_rows is None:
             return None
-        h = _rms_norm(h.index_select(0, sample_rows), self.norm, eps)
-        return self.lm_head(h).float()
+        return self.lm_head(self.norm(h.index_select(0, sample_rows))).float()

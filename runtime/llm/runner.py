@@ -2,9 +2,15 @@
 
 It keeps, per running request, the token ids and block table it was sent once (plans are
 diffs, as in vLLM v1): a decode step adds only the token it sampled itself and any new
-blocks. Per step it builds a handful of small tensors (ids, positions, slot mapping, block
-tables) from int lists, runs the model once, samples all rows at once, and syncs with the
+blocks. Block tables live in preallocated numpy rows (runtime/llm/input_batch.py), so a step
+reads its decodes' tables, positions and slots with a few vectorized ops and hands them to
+torch without copying. It runs the model once, samples all rows at once, and syncs with the
 host once, in the final `.tolist()`.
+
+Attention runs on the torch path (kernels/paged_attention.py) on CPU and on the Triton
+kernels (kernels/triton_attention.py) on CUDA; the metadata each needs differs a little
+(an additive mask and int64 tables, or int32 tables, context lengths and one varlen batch of
+prefill chunks).
 
 Decode rows (one scheduled token) go first in the flattened batch so that attention can
 serve them all with one batched call; prefill chunks follow, one attention call each.
@@ -29,10 +35,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kernels.paged_attention import decode_mask, decode_slot_table, slot_table
+from kernels.paged_attention import decode_mask
 from runtime.block_pool import BlockPool
+from runtime.llm.input_batch import InputBatch
 from runtime.llm.loader import DTYPES, LoadedModel
 from runtime.llm.model import AttentionMetadata, LlamaModel, ModelSpec, PrefillChunk
 from runtime.llm.sampler import Sampler, SamplingBatch, row_seed
@@ -70,6 +78,7 @@ class ModelRunner:
         dtype: str = "float32",
         device: str = "cpu",
         release_state_dict: bool = True,
+        attention_backend: str | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -88,6 +97,11 @@ class ModelRunner:
             )
         self.spec = spec
         self.device = torch.device(device)
+        # Triton kernels on CUDA; the torch path on CPU. Tests run "triton" on CPU under
+        # TRITON_INTERPRET=1 to check the runner's metadata for the GPU path.
+        self.attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        if self.attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         self.dtype = getattr(torch, dtype)
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -103,7 +117,11 @@ class ModelRunner:
         self.memory_owner = owner = memory.claim("llm")
         self._memory_released = False
         try:
-            self.model = LlamaModel(spec, loaded.state_dict, self.dtype, device, max_model_len, batch_hint=max_num_seqs)
+            # from_state_dict consumes the dict it is given, tensor by tensor.
+            weights = loaded.state_dict if release_state_dict else dict(loaded.state_dict)
+            self.model = LlamaModel.from_state_dict(
+                spec, weights, self.dtype, self.device, max_model_len, batch_hint=max_num_seqs
+            )
             memory.reserve(f"{owner}.weights", self.model.num_parameter_bytes())
             memory.reserve(f"{owner}.activations", self._activation_bytes(max_num_seqs, max_num_batched_tokens))
             memory.reserve(f"{owner}.kv_scratch", per_block)  # before the pool, which may take all the rest
@@ -112,7 +130,7 @@ class ModelRunner:
             )
             n = self.kv_pool.num_blocks
             # Block n is scratch: the pool never hands it out, so nothing writes it and it
-            # stays zero; batched decode reads its first slot at every padding position (see
+            # stays zero; batched decode pads every block table with it (see
             # kernels/paged_attention.py for why masking alone is not enough).
             self.pad_block = n
             self.pad_slot = n * block_size
@@ -125,6 +143,7 @@ class ModelRunner:
             loaded.state_dict = {}  # the model holds (fused copies of) every weight now
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
         self.sampler = Sampler(spec.vocab_size, self.device)
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.pad_block)
         self.requests: dict[str, _RequestState] = {}
         self.last_logits: torch.Tensor | None = None  # the last step's logits, for tests and debugging
 
@@ -149,6 +168,7 @@ class ModelRunner:
         requests = self.requests
         for rid in request_ids:
             requests.pop(rid, None)
+            self.batch.remove(rid)
             self.sampler.penalties.remove(rid)
 
     def _activation_bytes(self, max_num_seqs: int, max_tokens: int) -> int:
@@ -158,7 +178,8 @@ class ModelRunner:
         qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         per_token = (4 * s.hidden_size + 2 * qkv + s.num_heads * s.head_dim + 3 * s.intermediate_size) * elt
         per_token += 2 * s.hidden_size * 4  # RMSNorm's float32 copies
-        # Batched decode gathers K and V of every sequence, padded to the longest context.
+        # Batched decode gathers K and V of every sequence, padded to the longest context
+        # (CPU; the Triton kernels on CUDA read the blocks in place).
         kv_gather = 2 * max_num_seqs * self.max_model_len * s.num_kv_heads * s.head_dim * elt
         scores = s.num_heads * max_tokens * min(self.max_model_len, 1024) * 4
         logits = 4 * max_num_seqs * s.vocab_size * 4  # logits, probabilities, masked copy, cdf (float32)
@@ -166,7 +187,7 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def _add_request(self, nr) -> None:
+    def _add_request(self, nr, fresh: list[int]) -> None:
         sp = nr.sampling
         eos = [] if sp is not None and sp.ignore_eos else self.eos_token_ids
         stop_ids = list(dict.fromkeys(eos + (list(sp.stop_token_ids) if sp is not None else [])))
@@ -182,6 +203,9 @@ class ModelRunner:
             stop_ids=stop_ids,
             penalized=sp is not None and sp.has_penalties,
         )
+        self.batch.add(nr.request_id, nr.block_ids)
+        # Blocks past the prefix-cache hit are new to this request: zero them (see execute).
+        fresh.extend(nr.block_ids[-(-nr.num_computed_tokens // self.block_size) :])
         if sp is not None and sp.has_penalties:
             self.sampler.penalties.add(nr.request_id, list(nr.token_ids), nr.num_prompt_tokens,
                                        sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty)
@@ -190,13 +214,16 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         if self._memory_released:
             raise RuntimeError("this runner has released its memory (release_memory) and cannot execute")
-        requests = self.requests
+        requests, batch = self.requests, self.batch
         for rid in plan.freed_req_ids:
             requests.pop(rid, None)
+            batch.remove(rid)
             self.sampler.penalties.remove(rid)
+        fresh: list[int] = []  # blocks handed to a request this step
         for nr in plan.new_requests:
-            self._add_request(nr)
+            self._add_request(nr, fresh)
         if not plan.req_ids:
+            self._zero_blocks(fresh)
             return StepResult(sampled_token_ids=[])
 
         bs = self.block_size
@@ -207,38 +234,42 @@ class ModelRunner:
             new_blocks = plan.new_block_ids.get(rid)
             if new_blocks:
                 st.block_ids.extend(new_blocks)
+                batch.append_blocks(batch.row_of[rid], new_blocks)
+                fresh.extend(new_blocks)
             n = plan.num_scheduled_tokens[i]
             if n == 1:
                 decodes.append(i)
             elif n > 1:
                 prefills.append(i)
+        # The unwritten tail of a request's last block is read (and masked) by batched decode;
+        # zeroing each block as it is handed out keeps another request's stale K/V out of it.
+        self._zero_blocks(fresh)
 
         ids: list[int] = []
         row_of_last: dict[int, int] = {}  # plan index -> row of its last token in the batch
-        # Decode rows: one token each, everything from scalars.
-        dec_pos: list[int] = []
-        dec_slots: list[int] = []
-        for i in decodes:
-            st, p = states[i], plan.num_computed_tokens[i]
-            row_of_last[i] = len(ids)
-            ids.append(st.token_ids[p])
-            dec_pos.append(p)
-            dec_slots.append(st.block_ids[p // bs] * bs + p % bs)
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes))
-        pos_parts: list[torch.Tensor] = []
-        slot_parts: list[torch.Tensor] = []
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), backend=self.attention_backend, num_decodes=len(decodes))
+        pos_parts: list[np.ndarray] = []
+        slot_parts: list[np.ndarray] = []
+        triton = self.attention_backend == "triton"
+        dev = self.device
         if decodes:
-            max_ctx = max(dec_pos) + 1
-            nblk = -(-max_ctx // bs)
-            pad = self.pad_block
-            table = [states[i].block_ids[:nblk] for i in decodes]
-            table = [row + [pad] * (nblk - len(row)) for row in table]
-            bt = torch.tensor(table, dtype=torch.long)
-            dp = torch.tensor(dec_pos, dtype=torch.long)
-            meta.decode_slots = decode_slot_table(bt, dp + 1, bs, max_ctx, self.pad_slot).to(self.device)
-            meta.decode_mask = decode_mask(dp + 1, max_ctx, self.dtype).to(self.device)
-            pos_parts.append(dp)
-            slot_parts.append(torch.tensor(dec_slots, dtype=torch.long))
+            num_computed = plan.num_computed_tokens
+            dec_pos = np.fromiter((num_computed[i] for i in decodes), dtype=np.int64, count=len(decodes))
+            rows = np.fromiter((batch.row_of[plan.req_ids[i]] for i in decodes), dtype=np.int64, count=len(decodes))
+            for k, i in enumerate(decodes):
+                row_of_last[i] = k
+                ids.append(states[i].token_ids[num_computed[i]])
+            dec_slots, tables = batch.decode_inputs(rows, dec_pos)
+            ctx = torch.from_numpy(dec_pos + 1)
+            if triton:
+                meta.decode_block_tables = torch.from_numpy(tables.astype(np.int32)).to(dev, non_blocking=True)
+                meta.decode_context_lens = ctx.to(dev, torch.int32, non_blocking=True)
+            else:
+                meta.decode_block_tables = torch.from_numpy(tables)
+                meta.decode_mask = decode_mask(ctx, tables.shape[1] * bs, self.dtype)
+            pos_parts.append(dec_pos)
+            slot_parts.append(dec_slots)
+        chunk_tables: list[np.ndarray] = []
         for i in prefills:
             st, start, n = states[i], plan.num_computed_tokens[i], plan.num_scheduled_tokens[i]
             end = start + n
@@ -247,31 +278,50 @@ class ModelRunner:
             row = len(ids)
             ids.extend(st.token_ids[start:end])
             row_of_last[i] = row + n - 1
-            bt = torch.tensor(st.block_ids[: -(-end // bs)], dtype=torch.long)
-            slots = slot_table(bt.unsqueeze(0), bs)[0, :end]
-            pos_parts.append(torch.arange(start, end, dtype=torch.long))
-            slot_parts.append(slots[start:])
-            meta.prefills.append(PrefillChunk(row, n, start, slots.to(self.device) if start > 0 else None))
+            table = batch.block_table[batch.row_of[plan.req_ids[i]], : -(-end // bs)]
+            pos = np.arange(start, end, dtype=np.int64)
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            chunk_tables.append(table)
+            blocks = torch.from_numpy(table.copy()) if start > 0 and not triton else None
+            meta.prefills.append(PrefillChunk(row, n, start, blocks))
+        if triton and prefills:
+            width = max(len(t) for t in chunk_tables)
+            padded = np.full((len(prefills), width), self.pad_block, dtype=np.int32)
+            for k, t in enumerate(chunk_tables):
+                padded[k, : len(t)] = t
+            q_lens = [plan.num_scheduled_tokens[i] for i in prefills]
+            meta.prefill_max_q_len = max(q_lens)
+            meta.prefill_block_tables = torch.from_numpy(padded).to(dev, non_blocking=True)
+            meta.prefill_cu_q_lens = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32).to(dev)
+            meta.prefill_context_lens = torch.tensor(
+                [plan.num_computed_tokens[i] + q for i, q in zip(prefills, q_lens)], dtype=torch.int32
+            ).to(dev)
 
         if not ids:  # every planned request had zero tokens scheduled
             return StepResult(sampled_token_ids=[[] for _ in plan.req_ids])
         sample_idx = [i for i, s in enumerate(plan.sample) if s and i in row_of_last]
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = (torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0]).to(self.device)
-        meta.slot_mapping = (torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0]).to(self.device)
-        rows = torch.tensor([row_of_last[i] for i in sample_idx], dtype=torch.long, device=self.device) if sample_idx else None
-        logits = self.model(input_ids, positions, meta, self.kv_caches, rows)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        positions = torch.from_numpy(np.concatenate(pos_parts) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
+        meta.slot_mapping = torch.from_numpy(np.concatenate(slot_parts) if len(slot_parts) > 1 else slot_parts[0]).to(dev)
+        rows_t = torch.tensor([row_of_last[i] for i in sample_idx], dtype=torch.long).to(dev) if sample_idx else None
+        logits = self.model(input_ids, positions, meta, self.kv_caches, rows_t)
         self.last_logits = logits
 
         out: list[list[int]] = [[] for _ in plan.req_ids]
         if logits is None:
             return StepResult(sampled_token_ids=out)
-        batch = self._sampling_batch([states[i] for i in sample_idx], [plan.req_ids[i] for i in sample_idx])
-        tokens = self.sampler(logits, batch).tolist()
+        sbatch = self._sampling_batch([states[i] for i in sample_idx], [plan.req_ids[i] for i in sample_idx])
+        tokens = self.sampler(logits, sbatch).tolist()
         for i, tok in zip(sample_idx, tokens):
             states[i].token_ids.append(tok)
             out[i] = [tok]
         return StepResult(sampled_token_ids=out)
+
+    def _zero_blocks(self, block_ids: list[int]) -> None:
+        if block_ids:
+            idx = torch.tensor(block_ids, dtype=torch.long).to(self.device)
+            self.kv_cache.index_fill_(2, idx, 0)
 
     @staticmethod
     def _sampling_batch(states: list[_RequestState], request_ids: list[str]) -> SamplingBatch:
