@@ -3,19 +3,30 @@ repetition / presence / frequency penalties.
 
 One pass over the [num_rows, vocab] logits for the whole batch; no loop over tokens.
 
-    greedy rows  argmax of the (min_tokens-masked) logits
+    greedy rows  argmax of the (min_tokens-masked) logits; no softmax, no random numbers
     other rows   softmax(logits / temperature), probabilities below the row's top-k / top-p
-                 threshold zeroed, then inverse-CDF sampling: one uniform u per row, the
-                 token is where the cumulative sum first exceeds u * total
+                 threshold zeroed, then the exponential race: token = argmax(p / E) with
+                 E = -log U ~ Exponential(1) drawn per token (computed as argmax(log U / p)).
+                 E / p is an exponential of rate p, and the first to arrive is token j with
+                 probability p_j / sum(p): the law of inverse-CDF sampling (and the Gumbel-max
+                 trick), with no cumulative sum over the vocabulary and no renormalisation
+                 after top-k / top-p.
 
-Thresholds come from a partial top-k over the probabilities (sorting 50k-entry rows is ~20x
-slower); a top-p row whose candidates do not reach its mass falls back to a full sort, so the
-result is exact either way. Tokens tied with the threshold stay in.
+A mixed batch samples only its non-greedy rows (gathered), so greedy rows never touch a
+generator. Thresholds come from a partial top-k over the probabilities (sorting 50k-entry
+rows is ~20x slower): top-k alone reads the k-th largest value; top-p runs over the top
+candidates, and a top-p row whose candidates do not reach its mass falls back to a full sort,
+so the result is exact either way. Tokens tied with the threshold stay in.
 
-A seeded row draws its u from its own generator, re-seeded from (seed, output index) for
-every token: one draw per sampled token, so its tokens are the same whatever else shares the
-batch, and even when a preemption replays the request. Unseeded rows share one draw from
-torch's global generator.
+A seeded row draws its noise from its own generator, re-seeded from (seed, output index) for
+every token, so its tokens are the same whatever else shares the batch (and in whatever row),
+and even when a preemption replays the request. Unseeded rows share one draw from torch's
+default generator for the logits' device.
+
+Host syncs: none on the common paths. Per-row parameters go to the device in pinned,
+non-blocking copies. The one that remains is the top-p fallback check (`bool(short.any())`),
+taken only when some row has top-p without top-k: whether a full sort is needed depends on the
+probabilities.
 
 Penalties read per-request token statistics kept on the device (PenaltyState): which tokens
 the prompt and output hold, and how often each was sampled. They are applied to the logits
@@ -31,11 +42,20 @@ import torch
 
 _MASK63 = (1 << 63) - 1
 _CANDIDATES = 256  # top-p candidates taken per row before falling back to a full sort
+_TINY = torch.finfo(torch.float32).tiny  # lower bound of the race's uniforms: log(U) stays finite
 
 
 def row_seed(seed: int, output_index: int) -> int:
     """The generator seed for a seeded request's `output_index`-th sampled token."""
     return (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9 + 1) & _MASK63
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`: pinned and non-blocking for CUDA, so the host
+    does not wait for the device queue to drain (a plain copy from pageable memory would)."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 @dataclass(slots=True)
@@ -136,7 +156,7 @@ class PenaltyState:
             self.remove(rid)
 
     def slots(self, request_ids: list[str]) -> torch.Tensor:
-        return torch.tensor([self._slot[rid] for rid in request_ids], dtype=torch.long, device=self.device)
+        return _to_device([self._slot[rid] for rid in request_ids], torch.long, self.device)
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Penalized copy of `logits` [len(slots), vocab]."""
@@ -153,14 +173,14 @@ class PenaltyState:
 
 class Sampler:
     def __init__(self, vocab_size: int = 0, device: torch.device | str = "cpu") -> None:
-        self._generator = torch.Generator()
+        self._generators: dict[torch.device, torch.Generator] = {}  # seeded rows, per device
         self.penalties = PenaltyState(vocab_size, device)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [rows, vocab] float32 (left unchanged); returns token ids [rows] int64."""
         pen_rows = pen_slots = None
         if batch.penalized:
-            pen_rows = torch.tensor([r for r, _ in batch.penalized], dtype=torch.long, device=logits.device)
+            pen_rows = _to_device([r for r, _ in batch.penalized], torch.long, logits.device)
             pen_slots = self.penalties.slots([rid for _, rid in batch.penalized])
             logits = logits.clone()
             logits[pen_rows] = self.penalties.apply(logits[pen_rows], pen_slots)
@@ -169,50 +189,90 @@ class Sampler:
             self.penalties.record(pen_slots, tokens[pen_rows])
         return tokens
 
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        return gen
+
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        dev = logits.device
         if batch.suppress:
             logits = logits.clone()
-            rows = [r for r, toks in batch.suppress for _ in toks]
-            cols = [t for _, toks in batch.suppress for t in toks]
-            logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
-        greedy = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            return greedy
+            rc = [[r for r, toks in batch.suppress for _ in toks], [t for _, toks in batch.suppress for t in toks]]
+            idx = _to_device(rc, torch.long, dev)
+            logits[idx[0], idx[1]] = float("-inf")
+        temps = batch.temperatures
+        rows = [i for i, t in enumerate(temps) if t != 0]
+        if not rows:
+            return logits.argmax(dim=-1)
+        if len(rows) == len(temps):
+            return self._draw(logits, temps, batch.top_k, batch.top_p, batch.seeds)
+        # Mixed: greedy rows take the argmax; only the others are sampled (and draw noise).
+        idx = _to_device(rows, torch.long, dev)
+        sampled = self._draw(logits.index_select(0, idx), [temps[i] for i in rows],
+                             [batch.top_k[i] for i in rows], [batch.top_p[i] for i in rows],
+                             [batch.seeds[i] for i in rows])
+        return logits.argmax(dim=-1).index_copy_(0, idx, sampled)
+
+    def _draw(self, logits: torch.Tensor, temps: list[float], top_k: list[int], top_p: list[float],
+              seeds: list[int | None]) -> torch.Tensor:
+        """Sample every row of `logits` (all temperatures > 0) by the exponential race."""
         dev = logits.device
-        temps = torch.tensor(batch.temperatures, dtype=torch.float32, device=dev)
-        is_greedy = temps == 0
-        probs = (logits / torch.where(is_greedy, 1.0, temps).unsqueeze(1)).softmax(dim=-1)
-        probs = self._restrict(probs, batch)
-        u = torch.rand(len(batch.seeds), device=dev)
-        gen = self._generator
-        for i, seed in enumerate(batch.seeds):
+        # Multiply by 1/T, the same float32 product whether T is shared (a scalar) or per row
+        # (a tensor), so a seeded row's probabilities do not depend on its neighbours.
+        inv = [1.0 / t for t in temps]
+        if all(x == inv[0] for x in inv):
+            scaled = logits if inv[0] == 1.0 else logits * inv[0]
+        else:
+            scaled = logits * _to_device(inv, torch.float32, dev).unsqueeze(1)
+        probs = scaled.softmax(dim=-1)  # a fresh tensor: the steps below work in place
+        self._restrict(probs, top_k, top_p)
+        # E = -log U with U uniform in [tiny, 1): E is Exponential(1), finite and > 0, so
+        # log(U) / p is finite and < 0 for every kept token and -inf for an excluded one (p = 0),
+        # never NaN; its argmax is the argmin of E / p, the winner of the race. (On CPU, uniform_
+        # then log_ costs a sixth of exponential_.)
+        noise = torch.empty_like(probs)
+        if any(s is None for s in seeds):
+            noise.uniform_(_TINY, 1.0)  # every unseeded row in one draw (seeded rows are overwritten)
+        for i, seed in enumerate(seeds):  # one small draw per seeded row, from its own seed
             if seed is not None:
+                gen = self._generator(dev)
                 gen.manual_seed(seed)
-                u[i] = torch.rand((), generator=gen).item()
-        cdf = probs.cumsum(dim=-1)
-        target = (u * cdf[:, -1]).unsqueeze(1)
-        sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
-        return torch.where(is_greedy, greedy, sampled)
+                noise[i].uniform_(_TINY, 1.0, generator=gen)
+        return noise.log_().div_(probs).argmax(dim=-1)
 
     @staticmethod
-    def _restrict(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Zero the probabilities outside each row's top-k / top-p set."""
+    def _restrict(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        """Zero, in place, the probabilities outside each row's top-k / top-p set."""
         vocab = probs.shape[1]
-        kl = [k if 0 < k < vocab else 0 for k in batch.top_k]
-        use_p = any(p < 1.0 for p in batch.top_p)
+        kl = [k if 0 < k < vocab else 0 for k in top_k]
+        use_p = any(p < 1.0 for p in top_p)
         if not use_p and not any(kl):
             return probs
         dev = probs.device
-        ks = torch.tensor(kl, device=dev)
-        ps = torch.tensor(batch.top_p, dtype=torch.float32, device=dev)
-        n = min(vocab, max(max(kl), _CANDIDATES if use_p else 0))
+        if not use_p:
+            # top-k only: the k-th largest probability is the threshold; no sort, no cumsum.
+            kmax = max(kl)
+            top = probs.topk(kmax, dim=-1).values  # sorted, descending
+            if all(k == kmax for k in kl):
+                thr = top[:, -1:]
+            else:
+                ks = _to_device([max(k, 1) - 1 for k in kl], torch.long, dev).unsqueeze(1)
+                off = _to_device([k == 0 for k in kl], torch.bool, dev).unsqueeze(1)
+                thr = top.gather(1, ks).masked_fill_(off, 0.0)
+            return probs.masked_fill_(probs < thr, 0.0)
+        ks = _to_device(kl, torch.long, dev)
+        ps = _to_device(top_p, torch.float32, dev)
+        n = min(vocab, max(max(kl), _CANDIDATES))
         top = probs.topk(n, dim=-1).values
         thr = _thresholds(top, ks, ps)
-        if use_p and n < vocab:
+        if n < vocab and any(k == 0 and p < 1.0 for k, p in zip(kl, top_p)):
             # A top-p row (without top-k) whose candidates hold less mass than p needs them all.
+            # The one host sync of the sampler: only the probabilities say whether it is needed.
             short = (ks == 0) & (ps < 1.0) & (top.sum(-1) < ps)
             if bool(short.any()):
                 idx = short.nonzero().squeeze(1)
                 full = probs[idx].sort(dim=-1, descending=True).values
                 thr[idx] = _thresholds(full, ks[idx], ps[idx])
-        return torch.where(probs >= thr.unsqueeze(1), probs, 0.0)
+        return probs.masked_fill_(probs < thr.unsqueeze(1), 0.0)
