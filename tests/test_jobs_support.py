@@ -140,5 +140,5 @@ class WorkerProcess:
 
 def tiny_worker_args(model_dir: str, max_num_seqs: int = 8) -> list[str]:
     """An LLM-only worker on the tiny random Llama, with a small KV cache."""
-    return ["--queues", "llm", "--model", model_dir, "--max-num-seqs", str(max_num_seqs),
+    return ["--queues", "llm", "--dtype", "float32", "--model", model_dir, "--max-num-seqs", str(max_num_seqs),
             "--kv-cache-bytes", str(64 << 20), "--loglevel", "INFO"]  # fmt: skip

@@ -30,7 +30,8 @@ def _vision(workers: int | None = None, **batching) -> dict:
 
 
 def _llm(model: str, **kw) -> dict:
-    return {"model": model, "device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128, **kw}
+    # float32: tests compare tokens across batchings, which bfloat16 does not keep bit-stable.
+    return {"model": model, "device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128, **kw}
 
 
 def _image(seed: int) -> np.ndarray:
@@ -62,7 +63,7 @@ def _kv_used(runtime: Runtime) -> int:
 
 
 def test_many_threads_submit_both_kinds_and_everything_completes(rt, tiny_llama_dir):
-    reference = LLM(model=tiny_llama_dir, device="cpu", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+    reference = LLM(model=tiny_llama_dir, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
     expected = {p: o.token_ids for p, o in zip(PROMPTS, reference.generate(PROMPTS, GREEDY, use_tqdm=False))}
     reference.engine.close()
     results: dict[tuple[int, int], object] = {}
@@ -332,10 +333,10 @@ def test_config_errors_name_the_field(tiny_llama_dir):
 def test_runtime_greedy_outputs_equal_the_plain_llm_path_with_vision_beside(smollm2_dir):
     prompts = ["What is the capital of France?", "Write a haiku about autumn.", "def fib(n):"]
     params = SamplingParams(max_tokens=16, temperature=0)
-    llm = LLM(model=smollm2_dir, device="cpu", max_num_seqs=4)
+    llm = LLM(model=smollm2_dir, device="cpu", dtype="float32", max_num_seqs=4)
     expected = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.engine.close()
-    with Runtime(llm={"model": smollm2_dir, "device": "cpu", "max_num_seqs": 4}, vision=_vision(), profile=False) as runtime:
+    with Runtime(llm={"model": smollm2_dir, "device": "cpu", "dtype": "float32", "max_num_seqs": 4}, vision=_vision(), profile=False) as runtime:
         futures = [runtime.submit_detect(_image(j)) for j in range(12)]
         handles = [runtime.submit_generate(p, params) for p in prompts]
         assert [h.result(SAFETY_S).token_ids for h in handles] == expected

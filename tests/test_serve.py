@@ -123,13 +123,13 @@ class Stack:
         self.celery = make_app(JobSettings(redis_url=self.redis.url))
         self.worker = self._add(WorkerProcess(
             "main@serve", self.redis.url, tmp,
-            ["--queues", "llm,vision", "--model", tiny_dir, "--max-num-seqs", "4", "--concurrency", "2",
+            ["--queues", "llm,vision", "--dtype", "float32", "--model", tiny_dir, "--max-num-seqs", "4", "--concurrency", "2",
              "--kv-cache-bytes", str(64 << 20), "--imgsz", "160", "--vision-max-batch-size", "1"],
             env={**WORKER_ENV, "TANDEM_ALLOWED_ROOTS": str(self.images)},
         ))  # fmt: skip
         self.smol_worker = self._add(WorkerProcess(
             "smol@serve", self.smol_redis.url, tmp,
-            ["--queues", "llm", "--model", self.smol_dir, "--served-model-name", "smollm2", "--max-num-seqs", "2",
+            ["--queues", "llm", "--dtype", "float32", "--model", self.smol_dir, "--served-model-name", "smollm2", "--max-num-seqs", "2",
              "--concurrency", "2", "--max-model-len", "1024", "--kv-cache-bytes", str(64 << 20)],
             env=WORKER_ENV,
         ))  # fmt: skip
@@ -140,7 +140,7 @@ class Stack:
         nowhere = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
         self.embedded_server = self._add(ServeProcess(
             "serve-embedded", tmp,
-            ["--embedded", "--queues", "llm", "--model", tiny_dir, "--max-num-seqs", "4",
+            ["--embedded", "--queues", "llm", "--dtype", "float32", "--model", tiny_dir, "--max-num-seqs", "4",
              "--kv-cache-bytes", str(64 << 20), "--no-profile"],
             env={"TANDEM_REDIS_URL": nowhere},
         ))  # fmt: skip

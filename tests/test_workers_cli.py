@@ -23,7 +23,7 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_a_worker_with_no_flags_serves_both_queues_on_the_embedded_defaults():
     runtime, queues, concurrency = worker_plan(_args())
     assert queues == ["llm", "vision"]
-    assert runtime["llm"] == {"dtype": "float32"} and runtime["vision"]["model"] == "yolo26n.yaml"
+    assert runtime["llm"] == {"dtype": "auto"} and runtime["vision"]["model"] == "yolo26n.yaml"
     assert concurrency == 16 + 8 + 2 * 8  # the CPU batch, half again waiting, and two vision batches
 
 

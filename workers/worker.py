@@ -36,7 +36,8 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-roots", default=None, help=f"{os.pathsep}-separated folders tandem.detect may read")
     g = p.add_argument_group("llm")
     g.add_argument("--model", default=None, help="local HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 on CPUs with AMX or AVX512-BF16 and on GPUs, else float32")
     g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (default: 16 CPU, 256 CUDA)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -22,7 +22,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         block_size: int = 16,

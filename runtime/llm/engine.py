@@ -44,7 +44,7 @@ SCHEDULERS = ("continuous", "static")
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # local HF folder or .gguf; None = SmolLM2-135M-Instruct
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 where the hardware has it natively, else float32 (loader.resolve_dtype)
     device: str | None = None  # None: cuda if available, else cpu
     max_num_seqs: int | None = None  # None: 16 on CPU, 256 on CUDA
     max_num_batched_tokens: int | None = None  # None: 256 on CPU, 2048 on CUDA
@@ -61,8 +61,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
@@ -112,14 +112,15 @@ class _Tracked:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, memory: DeviceMemoryManager | None = None) -> None:
-        from runtime.llm.loader import load_model
+        from runtime.llm.loader import load_model, resolve_dtype
         from runtime.llm.runner import ModelRunner
 
         self.config = c = config or EngineConfig()
         settle_native_pools()  # see runtime/threads.py
         device = c.resolved_device()
         on_cpu = device == "cpu"
-        self.loaded = load_model(c.model, dtype=c.dtype, device=device, cache_dir=c.cache_dir)
+        self.dtype = resolve_dtype(c.dtype, device)
+        self.loaded = load_model(c.model, dtype=self.dtype, device=device, cache_dir=c.cache_dir)
         self.tokenizer = self.loaded.tokenizer
         model_max = getattr(self.loaded.config, "max_position_embeddings", 2048) or 2048
         self.max_model_len = c.max_model_len or min(model_max, 2048)
@@ -134,7 +135,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded, self.memory, block_size=c.block_size, kv_cache_bytes=c.kv_cache_bytes,
             num_kv_blocks=c.num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-            max_model_len=self.max_model_len, enable_prefix_caching=c.enable_prefix_caching, dtype=c.dtype,
+            max_model_len=self.max_model_len, enable_prefix_caching=c.enable_prefix_caching, dtype=self.dtype,
             device=device,
         )  # fmt: skip
         pool = self.runner.kv_pool

