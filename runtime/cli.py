@@ -30,7 +30,8 @@ def _int_list(text: str) -> list[int]:
 
 def _add_llm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight and KV cache type")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weight and KV cache type (auto: bfloat16 on CPUs with AMX or AVX512-BF16 and on GPUs, else float32)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + answer in tokens (default: the model's, capped at 2048)")
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", type=_int_list, default=[256, 1024])
     p.add_argument("--out", default="bench_out")
     add_vision_bench(bench.add_parser("vision", help="images/s and latency against Ultralytics"))
-    add_llm_bench(bench.add_parser("llm", help="useful tokens/s: continuous vs static vs Hugging Face"))
+    add_llm_bench(bench.add_parser("llm", help="useful tokens/s, steps, KV use, TTFT: continuous vs static vs vLLM"))
     add_mixed_bench(bench.add_parser("mixed", help="chat + cameras: one Runtime vs two processes, deadlines met"))
     add_jobs_bench_arguments(bench.add_parser("jobs", help="LLM jobs through Redis + Celery vs the in-process Runtime"))
     add_bench_serve_arguments(bench.add_parser("serve", help="tandem serve vs vLLM's OpenAI server: output tok/s and TTFT"))

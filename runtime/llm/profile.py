@@ -36,3 +36,66 @@ def profile_steps(engine, seed: int = 0) -> list[tuple[tuple[int, int], float]]:
     short = max(1, min(16, config.max_num_batched_tokens // config.max_num_seqs))
     run([8], "warmup")
     return run([short] * config.max_num_seqs, "batch") + run([longest], "long")
+
+
+def step_vs_floor(engine, num_seqs: int = 16, context_len: int = 128, repeats: int = 20, seed: int = 0) -> dict:
+    """A decode step at `num_seqs` running sequences of about `context_len` tokens, beside its
+    floor: the model's linear layers alone, run one after another on `num_seqs` rows of
+    random input with the same weights (the matmuls a decode step cannot avoid; everything
+    else, attention, norms, RoPE, sampling, scheduling, is overhead over it). Medians of
+    `repeats` runs, in milliseconds. The engine must be idle; it is idle again afterwards."""
+    import statistics
+
+    import torch
+
+    from runtime.llm.model import PackedLinear
+
+    if engine.has_unfinished():
+        raise RuntimeError("step_vs_floor needs an idle engine")
+    rng = random.Random(seed)
+    # Long enough that no request finishes while the last ones prefill or the steps are timed.
+    params = SamplingParams(max_tokens=engine.max_model_len - context_len - 1, temperature=0, ignore_eos=True)
+    ids = [f"tandem-floor-{k}" for k in range(num_seqs)]
+    for rid in ids:
+        engine.add_request([rng.randrange(engine.vocab_size) for _ in range(context_len)], params, request_id=rid)
+    try:
+        while engine.last_step_shape != (num_seqs, num_seqs):  # prefills done: every request decodes
+            engine.step()
+        for _ in range(2):
+            engine.step()
+        steps = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t0)
+            if engine.last_step_shape != (num_seqs, num_seqs):
+                raise RuntimeError(f"a timed step ran {engine.last_step_shape} (requests, tokens), not pure decode")
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+
+    model = engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    inputs = {m.in_features: torch.randn(num_seqs, m.in_features, dtype=model.dtype, device=engine.runner.device)
+              for m in linears}  # fmt: skip
+    with torch.inference_mode():
+
+        def run_linears() -> None:
+            for m in linears:
+                m(inputs[m.in_features])
+
+        for _ in range(3):
+            run_linears()
+        floors = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run_linears()
+            if engine.runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            floors.append(time.perf_counter() - t0)
+    step_ms = statistics.median(steps) * 1e3
+    floor_ms = statistics.median(floors) * 1e3
+    return {"num_seqs": num_seqs, "context_len": context_len, "step_ms": step_ms, "linear_floor_ms": floor_ms,
+            "ratio": step_ms / floor_ms, "num_linear_layers": len(linears)}  # fmt: skip
