@@ -189,6 +189,8 @@ class StreamReader:
 
     def _capture(self, target: int | str, pace: bool) -> Iterator[np.ndarray]:
         c = self.config
+        live = isinstance(target, str) and "://" in target
+        opening = time.monotonic()
         if isinstance(target, int):
             cap = cv2.VideoCapture(target)
         else:
@@ -199,13 +201,25 @@ class StreamReader:
             if not cap.isOpened():
                 if isinstance(target, int):
                     raise ConnectionError(f"cannot open webcam {target}: no such camera here, or it is busy")
-                raise ConnectionError(f"cannot open {target!r} within {c.open_timeout_s:g} s")
+                if not live:
+                    raise ConnectionError(f"cannot open {target!r}: not a video FFmpeg can read")
+                # FFmpeg says only "failed". A failure at once is a refusal (nothing listens, no such
+                # path, not a stream); one at the deadline is a server that accepted and never answered.
+                if time.monotonic() - opening >= 0.9 * c.open_timeout_s:
+                    raise TimeoutError(f"cannot open {target!r}: no answer within {c.open_timeout_s:g} s (timed out)")
+                raise ConnectionError(f"cannot open {target!r}: refused (nothing listening, no such stream or not one)")
             fps = cap.get(cv2.CAP_PROP_FPS)
             period = 1.0 / fps if pace and c.pace_files and 0 < fps < 1000 else 0.0
             next_t = time.monotonic()
             while not self._stop.is_set():
+                asked = time.monotonic()
                 ok, image = cap.read()
                 if not ok:
+                    # read() is False alike for a closed connection and for READ_TIMEOUT_MSEC (an
+                    # RTSP camera that froze but keeps its socket open): tell them apart by the
+                    # wait, so the error says "timed out" as the HTTP reader's does for a stall.
+                    if live and time.monotonic() - asked >= 0.9 * c.read_timeout_s:
+                        raise TimeoutError(f"no frame within {c.read_timeout_s:g} s: the read timed out (stalled)")
                     return
                 yield image
                 if period:
