@@ -22,6 +22,13 @@ thread puts libgomp over its CPU count, where its threads sleep at every barrier
 spinning (~700 wake-ups per forward). Forward passes at batch 1: one 2-thread worker ran at
 14 images/s, two 1-thread workers, which use no pool at all, at 38.
 
+On a GPU there is by default one inference worker (the device runs one batch at a time
+anyway) and the same hand-off carries the overlap further: the batcher decodes and letterboxes
+batch N+1 (its images side by side, on the runner's host thread pool) into page-locked buffers
+and issues its copy and cast on the runner's copy stream, which runs beside
+batch N's forward on the worker's stream; the worker waits on the host only to read results
+back (see runtime/vision/runner.py). `python -m runtime.vision.gpu_check` measures it.
+
 Every accepted request's future resolves: with Detections, or with the error of its own bad
 input, its queue timeout, a failed forward, or the engine closing without draining. Failures
 stay with their request: no batch, bad input or cancelled future stops a thread (the batch

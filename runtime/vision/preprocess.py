@@ -3,11 +3,12 @@
 The letterbox arithmetic (rounding of the resized size, the -0.1/+0.1 split of the padding,
 the minimum-rectangle stride padding) is what Ultralytics' LetterBox and scale_boxes do: any
 difference moves every box. Images are letterboxed straight into a preallocated uint8
-buffer, so a batch costs no allocation after the first one of its shape.
+buffer (page-locked on CUDA), so a batch costs no allocation after the first one of its shape.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import cv2
@@ -67,29 +68,74 @@ def letterbox_into(image: np.ndarray, box: Letterbox, out: np.ndarray) -> None:
 
 
 class BatchBuffers:
-    """One uint8 NHWC staging buffer per input shape, grown to the largest batch seen."""
+    """One uint8 NHWC staging buffer per input shape, grown to the largest batch seen, kept per
+    thread: the Runtime's vision workers prepare batches side by side on one runner, and two
+    of them letterboxing into one shared buffer would mix their images.
 
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[int, int], np.ndarray] = {}
+    pin_memory=True (CUDA): the buffers are page-locked host memory, allocated once per shape
+    like the plain ones, so that the host-to-device copy is a DMA the GPU runs on its own
+    (non_blocking) instead of a staged copy the CPU waits for, and no page-locking (slow, a
+    driver call) happens per batch. Such a copy is still reading the buffer after the call that
+    issued it returns, so the caller hands in a fence (a CUDA event recorded after the copy) and
+    the next `get` of that shape waits for it before the buffer is written again; that wait is
+    for a copy of a few MB on a stream of its own, not for the forward pass.
+    """
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        self.pin_memory = pin_memory
+        self._local = threading.local()
+
+    def _state(self) -> tuple[dict, dict, dict]:
+        """This thread's (numpy buffers, pinned tensors, fences) by shape."""
+        st = getattr(self._local, "state", None)
+        if st is None:
+            st = self._local.state = ({}, {}, {})
+        return st
 
     def get(self, shape: tuple[int, int], n: int) -> np.ndarray:
-        buf = self._buffers.get(shape)
+        buffers, pinned, fences = self._state()
+        fence = fences.pop(shape, None)
+        if fence is not None:
+            fence.synchronize()  # the last copy out of this buffer has to finish before we overwrite it
+        buf = buffers.get(shape)
         if buf is None or buf.shape[0] < n:
-            buf = np.empty((n, shape[0], shape[1], 3), np.uint8)
-            self._buffers[shape] = buf
+            if self.pin_memory:
+                t = torch.empty((n, shape[0], shape[1], 3), dtype=torch.uint8, pin_memory=True)
+                pinned[shape], buf = t, t.numpy()  # one memory: letterbox writes the array, the copy reads the tensor
+            else:
+                buf = np.empty((n, shape[0], shape[1], 3), np.uint8)
+            buffers[shape] = buf
         return buf[:n]
+
+    def pinned(self, shape: tuple[int, int], n: int) -> torch.Tensor | None:
+        """The page-locked tensor behind this thread's `get(shape, n)`, None when not pinned.
+        Copy from it rather than from torch.from_numpy(array): then torch's pinned-memory
+        allocator, which owns the memory, knows of the copy and keeps the memory until it ends
+        even if the buffer is replaced meanwhile."""
+        t = self._state()[1].get(shape)
+        return None if t is None else t[:n]
+
+    def fence(self, shape: tuple[int, int], event: object) -> None:
+        """`event` (anything with .synchronize(), a torch.cuda.Event) marks the end of the copy
+        that reads this thread's `shape` buffer; the next `get(shape)` waits for it."""
+        self._state()[2][shape] = event
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._buffers.values())
+        """Bytes of the calling thread's buffers."""
+        return sum(b.nbytes for b in self._state()[0].values())
 
 
-def to_tensor(batch_hwc: np.ndarray, device: torch.device) -> torch.Tensor:
-    """uint8 BGR NHWC -> float RGB NCHW in [0, 1], in the same operation order as Ultralytics
-    (transfer as uint8, flip channels, then divide) so the input is bit-identical.
+def to_tensor(batch_hwc: np.ndarray, device: torch.device, dtype: torch.dtype = torch.float32,
+              pinned: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """uint8 BGR NHWC -> RGB NCHW of `dtype` in [0, 1], in the same operation order as Ultralytics
+    (transfer as uint8, flip channels, cast, then divide) so the input is bit-identical; on CUDA
+    the cast goes straight to the model's dtype, as Ultralytics' `im.half()` does.
 
-    The channels are flipped before the NHWC -> NCHW permute, so the float tensor comes out
-    channels_last in memory: the layout the model runs in, with no further copy."""
-    t = torch.from_numpy(batch_hwc).to(device, non_blocking=True)
+    The channels are flipped before the NHWC -> NCHW permute, so the tensor comes out
+    channels_last in memory: the layout the model runs in, with no further copy.
+    `pinned`: the same bytes as page-locked memory (BatchBuffers.pinned), copied from instead
+    of `batch_hwc` so the copy runs asynchronously."""
+    t = (pinned if pinned is not None else torch.from_numpy(batch_hwc)).to(device, non_blocking=True)
     t = t.flip(3).permute(0, 3, 1, 2)
-    return t.float().div_(255)
+    return t.to(dtype).div_(255)
