@@ -1,41 +1,83 @@
-"""`tandem bench vision`: throughput against Ultralytics, latency under load, live streams.
+"""`tandem bench vision`: throughput and accuracy against Ultralytics and its exports, latency
+under load, live streams.
 
-All in one run, on the same model (seeded random weights unless --model is a .pt) and the
-same images: generated 480x640 JPEGs plus Ultralytics' bus.jpg and zidane.jpg.
-  1. images/s over a directory: Ultralytics predict at batch 1 and at its best batch vs ours
-     (--dtype, float32 by default), and on CPU ours in bfloat16 as a separate, opt-in row.
-  2. parity: our detections against Ultralytics' float32 predict on the same weights
-     (calibrated when random, see runtime.vision.calibrate), for float32 and bfloat16.
-  3. latency p50/p99 under Poisson arrivals at 50% and 90% of our capacity, with dynamic
+All in one run, on the same weights and the same images. The model is Tandem's shipped detector
+(runtime.vision.detector.WEIGHTS at its size, 320) when that file exists, else --model: a .pt,
+or a .yaml with seeded random weights (then there is no accuracy to measure).
+  1. images/s over a list of images, median of --repeats passes after a warm-up, for every
+     contestant: Tandem in --dtype (float32 by default) and its faster opt-in configs
+     (bfloat16 where the CPU runs it natively; bfloat16 and float16 on CUDA); Ultralytics eager
+     at several batch sizes, as shipped (torch at cores - 1 threads) and on every core;
+     Ultralytics' ONNX Runtime and OpenVINO exports of the same weights, run in a peer
+     virtualenv (--peer-python, default ../peers/yolo; skipped, saying so, when absent). Each
+     peer runs in a process of its own (runtime/vision/bench_peers.py). Tandem's images/s is
+     reported against the best peer row. Full runs add Tandem with the one-to-many head + NMS
+     (end2end=False) where the model also has the end-to-end head that Tandem and the peers run.
+  2. mAP50-95 and mAP50 beside every row, on one held-out labeled split with one evaluator
+     (runtime/vision/evaluate.py; predictions at conf 0.001): for a detector of the shapes
+     dataset (the shipped one, or any .pt with its classes), the generated test set
+     (runtime.vision.synthetic.write_test_set), whose images are then also the throughput
+     images; any other labeled split with --eval-data. Ultralytics' own validator on the same
+     split is reported too, as a cross-check of the evaluator.
+  3. parity: our detections against Ultralytics' float32 predict on the same weights
+     (calibrated when random, see runtime.vision.calibrate), for each Tandem dtype.
+  4. latency p50/p99 under Poisson arrivals at 50% and 90% of our capacity, with dynamic
      batching (profiled preferred size, max_batch_size) and without (batch 1).
-  4. 8 loopback MJPEG streams at 15 fps: frame-to-result latency p50/p99, frames dropped.
-Writes bench_vision.json and bench_vision.png to --out and prints a table.
+  5. 8 loopback MJPEG streams at 15 fps: frame-to-result latency p50/p99, frames dropped.
+Without a shapes model or --eval-data, the images are generated 480x640 JPEGs plus
+Ultralytics' bus.jpg and zidane.jpg. Writes bench_vision.json and bench_vision.png to --out
+and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from runtime.vision.ultralytics_import import import_ultralytics
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_PEER_PYTHON = REPO.parent / "peers" / "yolo" / "bin" / "python"
+PEER_SCRIPT = Path(__file__).resolve().parent / "bench_peers.py"
+PEER_FORMATS = ("torch", "onnx", "openvino")  # torch runs under this Python, the exports under the peer's
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench_out", help="directory for bench_vision.json / .png")
-    parser.add_argument("--model", default="yolo26n.yaml")
-    parser.add_argument("--imgsz", type=int, default=640)
+    parser.add_argument("--model", default=None,
+                        help="a .pt or a model .yaml (default: the shipped detector when its weights exist, "
+                             "else yolo26n.yaml with random weights)")
+    parser.add_argument("--imgsz", type=int, default=None,
+                        help="default: 320 for a detector of the shapes dataset, else 640")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="our engine's dtype (float32 keeps parity with Ultralytics)")
-    parser.add_argument("--num-images", type=int, default=64, help="generated 480x640 images (+ bus, zidane)")
+    parser.add_argument("--num-images", type=int, default=None,
+                        help="throughput images: generated ones (default 64, --quick 12; + bus, zidane), "
+                             "or the first N of the evaluation split (default: all of it)")
+    parser.add_argument("--eval-data", default=None,
+                        help="a labeled dataset root (images/<split>, labels/<split>) to measure mAP on "
+                             "(default: the generated shapes test set, for a shapes detector)")
+    parser.add_argument("--eval-split", default="test")
+    parser.add_argument("--test-images", type=int, default=None,
+                        help="size of the generated shapes test set (default 200, --quick 64)")
+    parser.add_argument("--peer-python", default=str(DEFAULT_PEER_PYTHON),
+                        help="the Python with onnxruntime and openvino for the export peers (see ../shared/PEERS.md)")
+    parser.add_argument("--peers", default=",".join(PEER_FORMATS),
+                        help=f"comma-separated peers to run, of {', '.join(PEER_FORMATS)}")
+    parser.add_argument("--repeats", type=int, default=None, help="timed passes per row (default 3, --quick 2)")
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--stream-fps", type=float, default=15.0)
-    parser.add_argument("--quick", action="store_true", help="fewer images, requests and seconds")
+    parser.add_argument("--quick", action="store_true", help="fewer images, rows, requests and seconds")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -64,41 +106,196 @@ def _images(folder: str, n: int) -> list[str]:
     return sorted(os.path.join(folder, f) for f in os.listdir(folder))
 
 
-def _ultralytics(model_path: str, folder: str, imgsz: int, device: str, batches: list[int]) -> dict[str, float]:
-    """Ultralytics predict, images/s by "b<batch> t<threads>". On CPU its select_device() sets
-    torch to cpu_count - 1 threads (1 on a 2-core machine), so it is measured both as shipped
-    and with every core, and the best of all is the peer to beat."""
+def _model_info(path: str) -> tuple[dict[int, str] | None, bool]:
+    """(the class names a .pt was trained with, None for a .yaml; whether its head has an
+    end-to-end branch, which Tandem runs by default)."""
     import torch
 
     import_ultralytics()
-    import ultralytics.utils.torch_utils as ul_torch
-    from ultralytics import YOLO
+    if path.endswith((".yaml", ".yml")):
+        from ultralytics import YOLO
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)  # the same random weights our runner builds from the same .yaml
-        model = YOLO(model_path)
-    n = len(os.listdir(folder))
-    shipped = ul_torch.NUM_THREADS
-    thread_counts = [shipped] if device != "cpu" else sorted({shipped, os.cpu_count() or 1})
-    rates = {}
-    caller_threads = torch.get_num_threads()
+        with torch.random.fork_rng(devices=[]):
+            model, names = YOLO(path, task="detect").model, None
+    else:
+        from ultralytics.nn.tasks import load_checkpoint
+
+        model, _ = load_checkpoint(path, device="cpu")
+        names = getattr(model, "names", None) or {}
+        names = dict(enumerate(names)) if isinstance(names, (list, tuple)) else dict(names)
+    return names, getattr(model.model[-1], "one2one_cv2", None) is not None
+
+
+def _resolve_model(args: argparse.Namespace, log) -> tuple[str, int, dict[int, str] | None, bool]:
+    """(model, imgsz, its class names (None for a .yaml), whether it has an end-to-end head)."""
+    from runtime.vision import detector
+    from runtime.vision.synthetic import CLASSES
+
+    model = args.model
+    if model is None:
+        if detector.WEIGHTS.is_file():
+            model = str(detector.WEIGHTS)
+        else:
+            model = "yolo26n.yaml"
+            log(f"the shipped detector is not at {detector.WEIGHTS}: yolo26n.yaml with random weights, no mAP")
+    names, end2end = _model_info(model)
+    shapes = names is not None and [names.get(i) for i in range(len(names))] == list(CLASSES)
+    imgsz = args.imgsz or (detector.IMGSZ if shapes else 640)
+    return model, imgsz, names, end2end
+
+
+def _eval_set(args: argparse.Namespace, model: str, names: dict[int, str] | None, log) -> tuple[str, str] | None:
+    """(dataset root, split) to measure mAP on, or None where mAP means nothing."""
+    from runtime.vision import detector
+    from runtime.vision.synthetic import CLASSES, write_test_set
+
+    if args.eval_data:
+        return args.eval_data, args.eval_split
+    if model.endswith((".yaml", ".yml")):
+        return None  # random weights: mAP n/a
+    if names is None or [names.get(i) for i in range(len(names))] != list(CLASSES):
+        log(f"{model} does not detect the shapes dataset's classes and no --eval-data was given: no mAP")
+        return None
+    root = os.path.join(args.out, "test_set")
+    shutil.rmtree(root, ignore_errors=True)
+    count = args.test_images or (64 if args.quick else 200)
+    write_test_set(root, count, detector.IMGSZ)
+    return root, "test"
+
+
+def _val_yaml(root: str, split: str, names: dict[int, str], out: str) -> str:
+    """A data YAML whose val split is the evaluation split, for Ultralytics' validator."""
+    path = os.path.join(out, "eval_data.yaml")
+    lines = [f"path: {os.path.abspath(root)}", f"train: images/{split}", f"val: images/{split}", "names:"]
+    lines += [f"  {i}: {n}" for i, n in sorted(names.items())]
+    Path(path).write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _run_peer(fmt: str, python: str, model: str, imgsz: int, device: str, paths: list[str], batches: list[int],
+              repeats: int, out: str, eval_set: tuple[str, str] | None, val_yaml: str | None, log) -> dict:
+    """One peer format in a process of its own; its result record ({"error"} when it failed)."""
+    work = os.path.abspath(os.path.join(out, "peers"))
+    os.makedirs(work, exist_ok=True)
+    listing = os.path.join(work, "images.txt")
+    Path(listing).write_text("\n".join(os.path.abspath(p) for p in paths) + "\n")
+    result, log_path = os.path.join(work, f"{fmt}.json"), os.path.join(work, f"{fmt}.log")
+    model = os.path.abspath(model) if os.path.isfile(model) else model  # the peer runs in another folder
+    cmd = [python, str(PEER_SCRIPT), "--format", fmt, "--model", model, "--imgsz", str(imgsz),
+           "--device", device, "--images", listing, "--batches", ",".join(map(str, batches)),
+           "--repeats", str(repeats), "--workdir", os.path.join(work, fmt), "--result", result]
+    if eval_set is not None:
+        preds = os.path.join(work, f"{fmt}_predictions.json")
+        cmd += ["--eval-dir", os.path.abspath(eval_set[0]), "--eval-split", eval_set[1], "--predictions", preds]
+    if val_yaml is not None and fmt == "torch":
+        cmd += ["--val-data", os.path.abspath(val_yaml)]
+    log(f"peer {fmt}: {python} (log {log_path})")
+    env = {**os.environ, "YOLO_OFFLINE": "1"}
+    env.pop("OMP_NUM_THREADS", None)  # as a user's shell has it; each row sets its own threads
+    Path(result).unlink(missing_ok=True)  # a stale one must not pass for this run's
     try:
-        for threads in thread_counts:
-            ul_torch.NUM_THREADS = threads  # what select_device() sets torch to on CPU
-            for bs in batches:
-                # nms=False: the end-to-end head, the same work our default does for YOLO26
-                kw = dict(imgsz=imgsz, device=device, batch=bs, verbose=False, stream=True, nms=False)
-                model.predictor = None  # a fresh predictor runs select_device() again
-                for _ in model.predict(folder, **kw):  # warm-up pass builds the predictor
-                    break
-                t0 = time.perf_counter()
-                count = sum(1 for _ in model.predict(folder, **kw))
-                rates[f"b{bs} t{threads}"] = count / (time.perf_counter() - t0)
-                assert count == n
-    finally:
-        ul_torch.NUM_THREADS = shipped
-        torch.set_num_threads(caller_threads)
+        with open(log_path, "w") as fh:
+            subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=work, env=env, timeout=3600, check=False)
+    except subprocess.TimeoutExpired:
+        return {"format": fmt, "error": "timed out after 3600 s", "rows": []}
+    try:
+        return json.loads(Path(result).read_text())
+    except (OSError, ValueError):
+        tail = Path(log_path).read_text()[-600:] if os.path.isfile(log_path) else ""
+        return {"format": fmt, "error": f"no result written; log tail: {tail}", "rows": []}
+
+
+def _peers(args, model: str, imgsz: int, paths: list[str], eval_set, val_yaml, repeats: int, names,
+           log) -> tuple[list[dict], dict, list[str]]:
+    """Every peer row (with mAP where measured), Ultralytics' own validation, and what was skipped."""
+    from runtime.vision.evaluate import evaluate, load_predictions
+
+    wanted = [f for f in args.peers.split(",") if f]
+    unknown = sorted(set(wanted) - set(PEER_FORMATS))
+    if unknown:
+        raise ValueError(f"--peers takes {', '.join(PEER_FORMATS)}, got {', '.join(unknown)}")
+    top = args.max_batch_size
+    rows, val, skipped = [], {}, []
+    for fmt in wanted:
+        python = sys.executable if fmt == "torch" else args.peer_python
+        if fmt != "torch" and not os.path.isfile(python):
+            skipped.append(f"{fmt}: no peer Python at {python} (see ../shared/PEERS.md, or --peer-python)")
+            continue
+        if fmt == "openvino" and args.device != "cpu":
+            skipped.append(f"openvino: a CPU peer, not run against device {args.device}")
+            continue
+        if fmt == "torch":
+            batches = [1, top] if args.quick else sorted({1, 4, top})
+        else:
+            batches = [1] if args.quick else sorted({1, top})
+        r = _run_peer(fmt, python, model, imgsz, args.device, paths, batches, repeats, args.out, eval_set, val_yaml,
+                      log)
+        if r.get("error"):
+            skipped.append(f"{fmt}: failed: {r['error']}")
+        for note in r.get("notes", []):
+            skipped.append(f"{fmt}: {note}")
+        acc = None
+        if eval_set is not None and r.get("predictions"):
+            acc = evaluate(load_predictions(r["predictions"]), *eval_set, names=names)
+        for row in r.get("rows", []):
+            rows.append({**row, "kind": "peer", "versions": r.get("versions"), **_map_fields(acc)})
+            log(f"  {row['name']}: {row['images_per_s']:.2f} images/s" + _map_text(acc))
+        val.update(r.get("ultralytics_val") or {})
+    return rows, val, skipped
+
+
+def _map_fields(acc: dict | None) -> dict:
+    if acc is None:
+        return {"map50_95": None, "map50": None}
+    return {"map50_95": acc["map50_95"], "map50": acc["map50"], "per_class": acc["per_class"]}
+
+
+def _map_text(acc: dict | None) -> str:
+    return f", mAP50-95 {acc['map50_95']:.4f}" if acc else ""
+
+
+def _tandem_configs(args: argparse.Namespace, end2end: bool) -> dict[str, dict]:
+    """Tandem's rows: --dtype, the faster opt-in configs where the device runs them, and (full
+    runs) the one-to-many head + NMS where the model also has an end-to-end head, which Tandem
+    runs by default: the heads differ in accuracy (and the peers run the end-to-end one)."""
+    configs = {args.dtype: {"dtype": args.dtype}}
+    if end2end and not args.quick:
+        configs[f"{args.dtype} nms head"] = {"dtype": args.dtype, "end2end": False}
+    if args.dtype == "float32":
+        if args.device == "cpu" and _cpu_bf16():  # AVX512-BF16 / AMX; emulated bfloat16 is slower than float32
+            configs["bfloat16"] = {"dtype": "bfloat16"}
+        elif args.device.startswith("cuda"):
+            configs["bfloat16"] = {"dtype": "bfloat16"}
+            configs["float16"] = {"dtype": "float16"}
+    return configs
+
+
+def _run_all(engine, paths: list[str], window: int = 128) -> None:
+    """Every image through engine.submit, at most `window` waiting at once (the engine's queue is
+    bounded: 256 by default), each awaited."""
+    pending: collections.deque = collections.deque()
+    for p in paths:
+        if len(pending) >= window:
+            pending.popleft().result()
+        pending.append(engine.submit(p))
+    for f in pending:
+        f.result()
+
+
+def _throughput_runs(engine, paths: list[str], repeats: int) -> list[float]:
+    """images/s of `repeats` passes over `paths`, all submitted at once, after a warm-up."""
+    _run_all(engine, paths[:4])
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _run_all(engine, paths)
+        rates.append(len(paths) / (time.perf_counter() - t0))
     return rates
+
+
+def _throughput(engine, paths: list[str]) -> float:
+    """One pass (runtime/bench_mixed.py's rounds)."""
+    return _throughput_runs(engine, paths, 1)[0]
 
 
 PARITY_CONF = 0.05  # low, so that each image gives hundreds of detections to compare
@@ -146,17 +343,6 @@ def _parity(model_path: str, paths: list[str], imgsz: int, device: str, dtypes: 
                    "max_box_px": float(b[found].max()) if found.any() else 0.0,
                    "max_conf": float(c[found].max()) if found.any() else 0.0, "over_1px": int((b > 1.0).sum())}  # fmt: skip
     return out
-
-
-def _throughput(engine, paths: list[str]) -> float:
-    engine.submit(paths[0]).result()
-    t0 = time.perf_counter()
-    futures = []
-    for p in paths:
-        futures.append(engine.submit(p))
-    for f in futures:
-        f.result()
-    return len(paths) / (time.perf_counter() - t0)
 
 
 def _poisson_latency(engine, images: list, rate: float, n: int, seed: int = 1) -> dict:
@@ -216,13 +402,17 @@ def _plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    thr = results["throughput"]
-    labels = [f"ultralytics {k}" for k in thr["ultralytics"]] + ["tandem"]
-    values = list(thr["ultralytics"].values()) + [thr["tandem"]]
-    a.bar(labels, values, color=["#999"] * len(thr["ultralytics"]) + ["#2a7"])
-    a.set_ylabel("images / s")
-    a.set_title(f"throughput, {results['model']} @ {results['imgsz']}")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    rows = results["rows"]
+    bars = a.bar([r["name"] for r in rows], [r["images_per_s"] for r in rows],
+                 color=["#2a7" if r["kind"] == "tandem" else "#999" for r in rows])
+    for bar, r in zip(bars, rows):
+        if r.get("map50_95") is not None:
+            a.annotate(f"{r['map50_95']:.3f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                       ha="center", va="bottom", fontsize=7)
+    plt.setp(a.get_xticklabels(), rotation=40, ha="right", fontsize=7)
+    a.set_ylabel("images / s (mAP50-95 above the bars)")
+    a.set_title(f"throughput, {os.path.basename(results['model'])} @ {results['imgsz']}")
     names, p50, p99 = [], [], []
     for key, r in results["latency"].items():
         names.append(key)
@@ -245,84 +435,122 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from runtime.vision.config import VisionConfig, vision_batching
     from runtime.vision.engine import VisionEngine
+    from runtime.vision.evaluate import evaluate_engine, image_files
 
-    n_images = 14 if args.quick else args.num_images
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     n_requests = 20 if args.quick else 60
     stream_s = 4.0 if args.quick else 10.0
+    repeats = args.repeats or (2 if args.quick else 3)
     os.makedirs(args.out, exist_ok=True)
-    folder = os.path.join(args.out, "bench_images")
-    shutil.rmtree(folder, ignore_errors=True)
-    paths = _images(folder, n_images)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    log(f"bench vision: {len(paths)} images in {folder}")
-    ul_batches = [1, args.max_batch_size] if args.quick else sorted({1, 4, args.max_batch_size})
-    ul = _ultralytics(args.model, folder, args.imgsz, args.device, ul_batches)
-    log(f"ultralytics images/s by batch and threads: { {k: round(v, 2) for k, v in ul.items()} }")
+    model, imgsz, names, end2end = _resolve_model(args, log)
+    eval_set = _eval_set(args, model, names, log)
+    if eval_set is not None:
+        paths = [str(p) for p in image_files(*eval_set)][: args.num_images or None]
+        log(f"bench vision: {model} @ {imgsz}; mAP and throughput on {len(paths)} images of "
+            f"{eval_set[0]}/images/{eval_set[1]}")
+    else:
+        folder = os.path.join(args.out, "bench_images")
+        shutil.rmtree(folder, ignore_errors=True)
+        paths = _images(folder, args.num_images or (12 if args.quick else 64))
+        log(f"bench vision: {model} @ {imgsz}; {len(paths)} generated images in {folder}, no mAP")
+    val_yaml = _val_yaml(*eval_set, names, args.out) if eval_set is not None and names else None
+    peer_rows, ul_val, skipped = _peers(args, model, imgsz, paths, eval_set, val_yaml, repeats, names, log)
+    for msg in skipped:
+        log(f"skipped: {msg}")
+
     batching = vision_batching(max_batch_size=args.max_batch_size)
-    base = dict(model=args.model, imgsz=args.imgsz, device=args.device, dtype=args.dtype, batching=batching)
-    results: dict = {"model": args.model, "imgsz": args.imgsz, "device": args.device, "images": len(paths)}
-    engine = VisionEngine(VisionConfig(**base))
-    try:
-        ours = _throughput(engine, paths)
-        stats = engine.stats()
-        for key in ("profile_images_per_s", "preferred_batch_sizes", "workers", "threads_per_worker"):
-            results[key] = stats[key]
-        log(f"tandem images/s: {ours:.2f} (preferred batch {engine.preferred_batch_sizes}, "
-            f"{engine.workers} workers x {engine.threads} threads)")  # fmt: skip
-        images = [cv2.imread(p) for p in paths[:8]]
-        latency = {}
-        for frac in (0.5, 0.9):
-            latency[f"dynamic {int(frac * 100)}%"] = _poisson_latency(engine, images, frac * ours, n_requests)
-        results["streams"] = _streams(engine, args.streams, args.stream_fps, stream_s)
-        results["description"] = engine.runner.description
-    finally:
-        engine.close()
-    single = VisionEngine(VisionConfig(**{**base, "batching": vision_batching(max_batch_size=1)}, profile=False))
+    base = dict(model=model, imgsz=imgsz, device=args.device, batching=batching)
+    results: dict = {"model": model, "imgsz": imgsz, "device": args.device, "images": len(paths),
+                     "eval": None if eval_set is None else {"data": eval_set[0], "split": eval_set[1]}}
+    tandem_rows, latency = [], {}
+    images = [cv2.imread(p) for p in paths[:8]]  # the latency runs' inputs
+    for name, overrides in _tandem_configs(args, end2end).items():
+        config = VisionConfig(**base, **overrides)
+        engine = VisionEngine(config)
+        try:
+            runs = _throughput_runs(engine, paths, repeats)
+            row = {"name": f"tandem {name}", "kind": "tandem", "config": overrides,
+                   "images_per_s": statistics.median(runs), "runs": runs,
+                   "preferred_batch_sizes": list(engine.preferred_batch_sizes)}
+            if name == args.dtype:  # the engine the latency and stream figures are taken on
+                stats = engine.stats()
+                for key in ("profile_images_per_s", "preferred_batch_sizes", "workers", "threads_per_worker"):
+                    results[key] = stats[key]
+                for frac in (0.5, 0.9):
+                    rate = frac * row["images_per_s"]
+                    latency[f"dynamic {int(frac * 100)}%"] = _poisson_latency(engine, images, rate, n_requests)
+                results["streams"] = _streams(engine, args.streams, args.stream_fps, stream_s)
+                results["description"] = engine.runner.description
+        finally:
+            engine.close()
+        acc = evaluate_engine(config, *eval_set) if eval_set is not None else None
+        tandem_rows.append({**row, **_map_fields(acc)})
+        log(f"tandem {name}: {row['images_per_s']:.2f} images/s (preferred batch {row['preferred_batch_sizes']}, "
+            f"{engine.workers} workers x {engine.threads} threads)" + _map_text(acc))
+    ours = tandem_rows[0]["images_per_s"]
+    single = VisionEngine(VisionConfig(**{**base, "dtype": args.dtype, "batching": vision_batching(max_batch_size=1)},
+                                       profile=False))
     try:
         for frac in (0.5, 0.9):
             latency[f"batch1 {int(frac * 100)}%"] = _poisson_latency(single, images, frac * ours, n_requests)
     finally:
         single.close()
-    extra = {}  # the opt-in bfloat16 engine, where the CPU runs it (AVX512-BF16 / AMX)
-    if args.device == "cpu" and args.dtype == "float32" and _cpu_bf16():
-        bf16 = VisionEngine(VisionConfig(**{**base, "dtype": "bfloat16"}))
-        try:
-            extra["bfloat16"] = _throughput(bf16, paths)
-        finally:
-            bf16.close()
-        log(f"tandem bfloat16 images/s: {extra['bfloat16']:.2f}")
-    dtypes = [args.dtype, *extra]
-    # bus.jpg and zidane.jpg (real scenes, two aspect ratios) first, then generated images
+    dtypes = list(dict.fromkeys(r["config"]["dtype"] for r in tandem_rows))
+    # generated runs: bus.jpg and zidane.jpg (real scenes, two aspect ratios) first
     parity_paths = sorted(paths, key=lambda p: os.path.basename(p).startswith("img"))[:PARITY_IMAGES]
-    parity = _parity(args.model, parity_paths, args.imgsz, args.device, dtypes)
-    best_ul = max(ul.values())
-    results["throughput"] = {"ultralytics": ul, "tandem": ours, "ratio_vs_best": ours / best_ul,
-                             "tandem_by_dtype": {args.dtype: ours, **extra}}  # fmt: skip
+    parity = _parity(model, parity_paths, imgsz, args.device, dtypes)
+
+    best = max(peer_rows, key=lambda r: r["images_per_s"], default=None)
+    for r in tandem_rows:
+        r["vs_best_peer"] = r["images_per_s"] / best["images_per_s"] if best else None
+    results["rows"] = peer_rows + tandem_rows
+    results["best_peer"] = None if best is None else {"name": best["name"], "images_per_s": best["images_per_s"]}
+    results["skipped"] = skipped
+    results["ultralytics_val"] = ul_val or None
+    results["throughput"] = {
+        "ultralytics": {r["name"].removeprefix("ultralytics torch "): r["images_per_s"] for r in peer_rows
+                        if r["format"] == "torch"},
+        "peers": {r["name"]: r["images_per_s"] for r in peer_rows},
+        "tandem": ours, "ratio_vs_best": tandem_rows[0]["vs_best_peer"],
+        "tandem_by_dtype": {r["config"]["dtype"]: r["images_per_s"] for r in tandem_rows
+                            if "end2end" not in r["config"]},
+    }
     results["parity_vs_ultralytics_float32"] = {"conf": PARITY_CONF, "images": len(parity_paths), **parity}
     results["latency"] = latency
     with open(os.path.join(args.out, "bench_vision.json"), "w") as fh:
         json.dump(results, fh, indent=2)
     _plot(results, os.path.join(args.out, "bench_vision.png"))
-    print(f"{'measure':34s} {'value':>10s} {'vs ultralytics':>15s}")
-    for key, r in ul.items():
-        bs, threads = key.split()
-        label = f"ultralytics images/s, batch {bs[1:]}, {threads[1:]} thr"
-        print(f"{label:34s} {r:10.2f} {r / best_ul:14.2f}x")
-    print(f"{'tandem images/s (' + args.dtype + ')':34s} {ours:10.2f} {ours / best_ul:14.2f}x")
-    for dt, r in extra.items():
-        print(f"{'tandem images/s (' + dt + ', opt-in)':34s} {r:10.2f} {r / best_ul:14.2f}x")
-    for dt, e in parity.items():
+    _print_table(results)
+    print(f"wrote {os.path.join(args.out, 'bench_vision.json')} and bench_vision.png")
+    return 0
+
+
+def _print_table(results: dict) -> None:
+    best = results["best_peer"]
+    fmt_map = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+    print(f"{'contestant':34s} {'images/s':>10s} {'vs best peer':>13s} {'mAP50-95':>9s} {'mAP50':>7s}")
+    for r in results["rows"]:
+        ratio = f"{r['images_per_s'] / best['images_per_s']:12.2f}x" if best else f"{'n/a':>13s}"
+        maps = f"{fmt_map(r['map50_95']):>9s} {fmt_map(r['map50']):>7s}"
+        print(f"{r['name']:34s} {r['images_per_s']:10.2f} {ratio} {maps}")
+    if best:
+        print(f"best peer: {best['name']} ({best['images_per_s']:.2f} images/s)")
+    for head, v in (results.get("ultralytics_val") or {}).items():
+        print(f"{'ultralytics val, ' + head:34s} {'':10s} {'':13s} {v['map50_95']:9.4f} {v['map50']:7.4f}")
+    for msg in results["skipped"]:
+        print(f"skipped: {msg}")
+    for dt, e in results["parity_vs_ultralytics_float32"].items():
+        if not isinstance(e, dict):
+            continue
         print(f"{'parity ' + dt + ' vs UL fp32, px/conf':34s} box median {e['median_box_px']:.2g} max {e['max_box_px']:.2g}, "
               f"conf max {e['max_conf']:.2g}; {e['over_1px']}/{e['ref_count']} boxes >1 px off "
-              f"({e['no_class_match']} class unmatched), {e['count']} dets vs {e['ref_count']}")  # fmt: skip
-    for key, r in latency.items():
+              f"({e['no_class_match']} class unmatched), {e['count']} dets vs {e['ref_count']}")
+    for key, r in results["latency"].items():
         print(f"{'latency ' + key + ' p50/p99 ms':34s} {r['p50_ms']:6.0f}/{r['p99_ms']:<6.0f} batch {r['mean_batch']:.2f}")
     s = results["streams"]
     print(f"{'streams ' + str(s['streams']) + 'x' + str(s['fps']) + 'fps p50/p99 ms':34s} "
           f"{s['p50_ms']:6.0f}/{s['p99_ms']:<6.0f} processed {s['frames_processed']}/{s['frames_read']}, "
-          f"dropped {s['frames_dropped']}")  # fmt: skip
-    print(f"wrote {os.path.join(args.out, 'bench_vision.json')} and bench_vision.png")
-    return 0
+          f"dropped {s['frames_dropped']}")
 
 
 def _cpu_bf16() -> bool:

@@ -53,23 +53,46 @@ def draw_image(rng: np.random.Generator, size: int, max_objects: int = 6) -> tup
     return img, labels
 
 
+def write_split(out: str | Path, split: str, count: int, imgsz: int, rng: np.random.Generator) -> None:
+    """Draw `count` images from `rng` into out/images/<split> and out/labels/<split>."""
+    out = Path(out)
+    (out / "images" / split).mkdir(parents=True, exist_ok=True)
+    (out / "labels" / split).mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        img, labels = draw_image(rng, imgsz)
+        cv2.imwrite(str(out / "images" / split / f"{i:05d}.jpg"), img, [cv2.IMWRITE_JPEG_QUALITY, 95])
+        lines = [f"{c} {(x1 + x2) / 2 / imgsz:.6f} {(y1 + y2) / 2 / imgsz:.6f} {(x2 - x1) / imgsz:.6f} {(y2 - y1) / imgsz:.6f}"
+                 for c, x1, y1, x2, y2 in labels]  # fmt: skip
+        (out / "labels" / split / f"{i:05d}.txt").write_text("\n".join(lines) + "\n")
+
+
+def _data_yaml(out: Path, val_split: str) -> Path:
+    data = out / "data.yaml"
+    names = "\n".join(f"  {i}: {n}" for i, n in enumerate(CLASSES))
+    data.write_text(f"path: {out.resolve()}\ntrain: images/train\nval: images/{val_split}\nnames:\n{names}\n")
+    return data
+
+
 def write_dataset(out: str | Path, train: int = 800, val: int = 200, imgsz: int = 320, seed: int = 0) -> Path:
-    """Write the dataset under `out` and return the path of its data YAML."""
+    """Write the training dataset (train and val splits) under `out`; returns its data YAML."""
     out = Path(out)
     rng = np.random.default_rng(seed)
     for split, count in (("train", train), ("val", val)):
-        (out / "images" / split).mkdir(parents=True, exist_ok=True)
-        (out / "labels" / split).mkdir(parents=True, exist_ok=True)
-        for i in range(count):
-            img, labels = draw_image(rng, imgsz)
-            cv2.imwrite(str(out / "images" / split / f"{i:05d}.jpg"), img, [cv2.IMWRITE_JPEG_QUALITY, 95])
-            lines = [f"{c} {(x1 + x2) / 2 / imgsz:.6f} {(y1 + y2) / 2 / imgsz:.6f} {(x2 - x1) / imgsz:.6f} {(y2 - y1) / imgsz:.6f}"
-                     for c, x1, y1, x2, y2 in labels]  # fmt: skip
-            (out / "labels" / split / f"{i:05d}.txt").write_text("\n".join(lines) + "\n")
-    data = out / "data.yaml"
-    names = "\n".join(f"  {i}: {n}" for i, n in enumerate(CLASSES))
-    data.write_text(f"path: {out.resolve()}\ntrain: images/train\nval: images/val\nnames:\n{names}\n")
-    return data
+        write_split(out, split, count, imgsz, rng)
+    return _data_yaml(out, "val")
+
+
+# The held-out test set that accuracy is reported on: drawn from a seed training never used, so
+# neither the weights nor the choice of best epoch (made on the val split) have seen it.
+TEST_SEED = 1000
+
+
+def write_test_set(out: str | Path, count: int = 200, imgsz: int = 320, seed: int = TEST_SEED) -> Path:
+    """Write a held-out split `test` under `out`; returns a data YAML whose val split is it
+    (Ultralytics' validator reads `val`)."""
+    out = Path(out)
+    write_split(out, "test", count, imgsz, np.random.default_rng(seed))
+    return _data_yaml(out, "test")
 
 
 def main(argv: list[str] | None = None) -> int:
