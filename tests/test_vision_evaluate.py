@@ -183,8 +183,7 @@ def test_scores_the_validators_own_predictions_as_it_does(split, monkeypatch, tm
 
     from runtime.vision import detector
 
-    if not detector.WEIGHTS.is_file():
-        pytest.skip(f"needs the shipped detector at {detector.WEIGHTS}")
+    assert detector.WEIGHTS.is_file(), f"the shipped detector is missing: {detector.WEIGHTS}"
     captured = {}
     update = DetectionValidator.update_metrics
 

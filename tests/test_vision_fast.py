@@ -47,7 +47,7 @@ def runner(net):
 
     def get(end2end: bool, jit: bool = True) -> YoloRunner:
         if (end2end, jit) not in cache:
-            cache[end2end, jit] = YoloRunner(VisionConfig(imgsz=IMGSZ, conf=0.05, end2end=end2end, jit=jit), module=net)
+            cache[end2end, jit] = YoloRunner(VisionConfig(dtype="float32", imgsz=IMGSZ, conf=0.05, end2end=end2end, jit=jit), module=net)
         return cache[end2end, jit]
 
     return get
@@ -82,8 +82,8 @@ def test_graph_gives_the_eager_results_on_every_shape(runner, images, end2end, m
 def test_end2end_inputs_with_fewer_anchors_than_the_graphs_top_k_run_eager(net):
     # imgsz 128: the square trace has 336 anchors, so the head's top-k is min(300, 336) = 300
     # in the graph; a 1:4 strip letterboxes to 32 x 128, only 84 anchors.
-    runner = YoloRunner(VisionConfig(imgsz=128, conf=0.0), module=net)
-    eager = YoloRunner(VisionConfig(imgsz=128, conf=0.0, jit=False), module=net)
+    runner = YoloRunner(VisionConfig(dtype="float32", imgsz=128, conf=0.0), module=net)
+    eager = YoloRunner(VisionConfig(dtype="float32", imgsz=128, conf=0.0, jit=False), module=net)
     assert runner.model.graph_min_anchors == 300
     calls = []
     graph = runner.model.graph
@@ -115,9 +115,9 @@ def test_a_graph_that_baked_a_shape_is_refused():
 
 
 def test_seeded_builds_share_one_graph():
-    a, b = (YoloRunner(VisionConfig(imgsz=160, seed=7)) for _ in range(2))
+    a, b = (YoloRunner(VisionConfig(dtype="float32", imgsz=160, seed=7)) for _ in range(2))
     assert a.model.graph is not None and a.model.graph is b.model.graph
-    assert YoloRunner(VisionConfig(imgsz=160, seed=8)).model.graph is not a.model.graph  # other weights
+    assert YoloRunner(VisionConfig(dtype="float32", imgsz=160, seed=8)).model.graph is not a.model.graph  # other weights
 
 
 def test_workers_give_the_runners_results(net, runner, images):
@@ -126,7 +126,7 @@ def test_workers_give_the_runners_results(net, runner, images):
     The first two batches meet at a barrier inside `infer`: it opens only when two threads run
     a batch at once, so one worker, or two that take turns, leave it broken."""
     batching = vision_batching(max_batch_size=2, max_queue_delay_ms=0.0)
-    config = VisionConfig(imgsz=IMGSZ, conf=0.05, workers=2, num_threads=1, profile=False, batching=batching)
+    config = VisionConfig(dtype="float32", imgsz=IMGSZ, conf=0.05, workers=2, num_threads=1, profile=False, batching=batching)
     threads = torch.get_num_threads()
     side_by_side = threading.Barrier(2)
     ran_on: list[str] = []  # the thread of every batch, in the order they started

@@ -110,7 +110,7 @@ def _expected(image: np.ndarray, imgsz: int) -> torch.Tensor:
 
 
 def test_cpu_runner_has_no_cuda_state_and_reused_buffers_do_not_leak_into_earlier_batches():
-    runner = YoloRunner(VisionConfig(imgsz=160, jit=False))
+    runner = YoloRunner(VisionConfig(dtype="float32", imgsz=160, jit=False))
     assert runner._copy_stream is None and not runner._buffers.pin_memory
     rng = np.random.default_rng(1)
     first = [rng.integers(0, 256, (120, 200, 3), dtype=np.uint8) for _ in range(2)]
@@ -197,7 +197,7 @@ def test_host_pool_path_gives_the_inline_results_and_keeps_bad_inputs_to_themsel
     images = [rng.integers(0, 256, (120, 200, 3), dtype=np.uint8), rng.integers(0, 256, (200, 120, 3), dtype=np.uint8),
               rng.integers(0, 256, (120, 200, 3), dtype=np.uint8)]  # fmt: skip
     payloads = [images[0], np.zeros((4, 4), np.float64), images[1], images[2]]  # the second cannot be decoded
-    runner = YoloRunner(VisionConfig(imgsz=160, jit=False))
+    runner = YoloRunner(VisionConfig(dtype="float32", imgsz=160, jit=False))
     assert runner.host_pool is None  # CPU: inline
 
     def prepare():

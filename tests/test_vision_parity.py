@@ -49,7 +49,7 @@ def _compare(ours, ref):
 def test_detections_match_ultralytics_predict(yolo, end2end):
     """end2end=True is predict(nms=False) (YOLO26's NMS-free head); False is predict()'s
     default one-to-many head with NMS."""
-    runner = YoloRunner(VisionConfig(imgsz=IMGSZ, conf=CONF, end2end=end2end), module=yolo.model)
+    runner = YoloRunner(VisionConfig(dtype="float32", imgsz=IMGSZ, conf=CONF, end2end=end2end), module=yolo.model)
     assert runner.model.end2end is end2end
     assert runner.model.graph is not None  # the default CPU path, the traced TorchScript graph
     images = [cv2.imread(p) for p in PATHS]
@@ -61,7 +61,7 @@ def test_detections_match_ultralytics_predict(yolo, end2end):
 
 
 def test_raw_head_outputs_match(yolo):
-    runner = YoloRunner(VisionConfig(imgsz=IMGSZ, end2end=False, channels_last=True), module=yolo.model)
+    runner = YoloRunner(VisionConfig(dtype="float32", imgsz=IMGSZ, end2end=False, channels_last=True), module=yolo.model)
     (ref,) = yolo.predict(PATHS[0], imgsz=IMGSZ, verbose=False)  # sets up predictor.model (fused copy)
     image = cv2.imread(PATHS[0])
     x = yolo.predictor.preprocess([image])
@@ -74,7 +74,7 @@ def test_raw_head_outputs_match(yolo):
 
 
 def test_batched_results_equal_one_at_a_time(yolo):
-    runner = YoloRunner(VisionConfig(imgsz=IMGSZ, conf=CONF), module=yolo.model)
+    runner = YoloRunner(VisionConfig(dtype="float32", imgsz=IMGSZ, conf=CONF), module=yolo.model)
     bus, zidane = (cv2.imread(p) for p in PATHS)
     images = [bus, zidane, cv2.flip(bus, 1), zidane[:, ::-1].copy()]  # two shapes, two of each
     batched = runner.predict(images)
@@ -95,20 +95,20 @@ def test_batched_results_equal_one_at_a_time(yolo):
 
 def test_the_caller_module_is_not_modified(yolo):
     before = sum(1 for _ in yolo.model.modules())
-    YoloRunner(VisionConfig(imgsz=IMGSZ, jit=False), module=yolo.model)  # tracing is tested elsewhere
+    YoloRunner(VisionConfig(dtype="float32", imgsz=IMGSZ, jit=False), module=yolo.model)  # tracing is tested elsewhere
     assert sum(1 for _ in yolo.model.modules()) == before  # fusion happened on our copy
 
 
 def test_pt_checkpoint_and_yaml_build(tmp_path, yolo):
     path = tmp_path / "calibrated.pt"
     yolo.save(str(path))
-    runner = YoloRunner(VisionConfig(model=str(path), imgsz=IMGSZ, conf=CONF))
+    runner = YoloRunner(VisionConfig(model=str(path), dtype="float32", imgsz=IMGSZ, conf=CONF))
     # Ultralytics saves checkpoints in float16, so the reference loads the same file.
     (ref,) = YOLO(str(path)).predict(PATHS[1], imgsz=IMGSZ, conf=CONF, verbose=False, nms=False)
     (ours,) = runner.predict([cv2.imread(PATHS[1])])
     _compare(ours, ref)
     assert not runner.model.random_weights
-    fresh = YoloRunner(VisionConfig(imgsz=160))
+    fresh = YoloRunner(VisionConfig(dtype="float32", imgsz=160))
     assert fresh.model.random_weights and "RANDOM weights" in fresh.description
     with pytest.raises(FileNotFoundError, match="never downloads"):
         YoloRunner(VisionConfig(model=str(tmp_path / "missing.pt")))

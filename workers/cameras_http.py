@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 
+from runtime.vision.detector import WEIGHTS, default_imgsz  # pathlib only
+
 # Nothing heavy at import: runtime/cli.py builds its parser from add_streams_arguments. (And no
 # `from __future__ import annotations`: FastAPI must see the endpoints' annotations as objects.)
 
@@ -153,8 +155,8 @@ def add_streams_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: any network stream)")  # fmt: skip
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: at a signal)")
     g = p.add_argument_group("vision")
-    g.add_argument("--vision-model", default="yolo26n.yaml", help="a model .yaml (random weights) or a local .pt")
-    g.add_argument("--imgsz", type=int, default=640, help="letterbox size, a multiple of 32")
+    g.add_argument("--vision-model", default=str(WEIGHTS), help="a local .pt or a model .yaml (random weights); default: the shipped shapes detector")
+    g.add_argument("--imgsz", type=int, default=None, help="letterbox size, a multiple of 32 (default: the shipped detector's 320, else 640)")
     g.add_argument("--conf", type=float, default=0.25, help="confidence threshold")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     g.add_argument("--max-batch-size", type=int, default=8, help="most frames (of any cameras) in one forward pass")
@@ -200,7 +202,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
 
     vision = {
         "model": args.vision_model,
-        "imgsz": args.imgsz,
+        "imgsz": args.imgsz or default_imgsz(args.vision_model),
         "conf": args.conf,
         "device": args.device,
         "batching": {"max_batch_size": args.max_batch_size},

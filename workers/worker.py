@@ -17,6 +17,7 @@ import json
 import os
 import sys
 
+from runtime.vision.detector import WEIGHTS, default_imgsz
 from workers.settings import QUEUES
 
 
@@ -44,8 +45,8 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-bytes", type=int, default=None)
     g = p.add_argument_group("vision")
-    g.add_argument("--vision-model", default="yolo26n.yaml", help=".yaml (random weights) or .pt checkpoint")
-    g.add_argument("--imgsz", type=int, default=640)
+    g.add_argument("--vision-model", default=str(WEIGHTS), help="a .pt checkpoint or a .yaml (random weights); default: the shipped shapes detector")
+    g.add_argument("--imgsz", type=int, default=None, help="default: the shipped detector's 320, else 640")
     g.add_argument("--vision-max-batch-size", type=int, default=8)
     p.add_argument("--no-profile", action="store_true", help="skip start-up profiling (faster start)")
 
@@ -63,7 +64,7 @@ def worker_plan(args: argparse.Namespace) -> tuple[dict, list[str], int]:
         llm = {k: v for k, v in llm.items() if v is not None}
     if "vision" in queues:
         batching = {"max_batch_size": args.vision_max_batch_size}
-        vision = {"model": args.vision_model, "imgsz": args.imgsz, "batching": batching}
+        vision = {"model": args.vision_model, "imgsz": args.imgsz or default_imgsz(args.vision_model), "batching": batching}
         if args.device is not None:
             vision["device"] = args.device
         if args.no_profile:

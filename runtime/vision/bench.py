@@ -58,8 +58,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--imgsz", type=int, default=None,
                         help="default: 320 for a detector of the shapes dataset, else 640")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                        help="our engine's dtype (float32 keeps parity with Ultralytics)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="our engine's dtype, the first row and the one latency and streams are measured "
+                             "on (auto: the default fast path; float32 keeps parity with Ultralytics)")
     parser.add_argument("--num-images", type=int, default=None,
                         help="throughput images: generated ones (default 64, --quick 12; + bus, zidane), "
                              "or the first N of the evaluation split (default: all of it)")
@@ -255,18 +256,26 @@ def _map_text(acc: dict | None) -> str:
 
 
 def _tandem_configs(args: argparse.Namespace, end2end: bool) -> dict[str, dict]:
-    """Tandem's rows: --dtype, the faster opt-in configs where the device runs them, and (full
-    runs) the one-to-many head + NMS where the model also has an end-to-end head, which Tandem
-    runs by default: the heads differ in accuracy (and the peers run the end-to-end one)."""
-    configs = {args.dtype: {"dtype": args.dtype}}
+    """Tandem's rows, the first being --dtype (the default "auto" is the fast path each device
+    gets by default); float32 beside it (parity with Ultralytics), the other fast dtypes the
+    device runs, and (full runs) the one-to-many head + NMS where the model also has an
+    end-to-end head, which Tandem runs by default: the heads differ in accuracy (and the peers
+    run the end-to-end one)."""
+    from runtime.vision.config import VisionConfig
+
+    resolved = VisionConfig(dtype=args.dtype, device=args.device).resolved_dtype()
+    first = f"auto ({resolved})" if args.dtype == "auto" else args.dtype
+    configs = {first: {"dtype": args.dtype}}
+    extra = ["float32"]
+    if args.device == "cpu" and _cpu_bf16():  # AVX512-BF16 / AMX; emulated bfloat16 is slower than float32
+        extra.append("bfloat16")
+    elif args.device.startswith("cuda"):
+        extra += ["bfloat16", "float16"]
+    for dtype in extra:
+        if dtype != resolved:
+            configs[dtype] = {"dtype": dtype}
     if end2end and not args.quick:
-        configs[f"{args.dtype} nms head"] = {"dtype": args.dtype, "end2end": False}
-    if args.dtype == "float32":
-        if args.device == "cpu" and _cpu_bf16():  # AVX512-BF16 / AMX; emulated bfloat16 is slower than float32
-            configs["bfloat16"] = {"dtype": "bfloat16"}
-        elif args.device.startswith("cuda"):
-            configs["bfloat16"] = {"dtype": "bfloat16"}
-            configs["float16"] = {"dtype": "float16"}
+        configs["float32 nms head"] = {"dtype": "float32", "end2end": False}
     return configs
 
 
@@ -464,7 +473,7 @@ def run_bench(args: argparse.Namespace) -> int:
                      "eval": None if eval_set is None else {"data": eval_set[0], "split": eval_set[1]}}
     tandem_rows, latency = [], {}
     images = [cv2.imread(p) for p in paths[:8]]  # the latency runs' inputs
-    for name, overrides in _tandem_configs(args, end2end).items():
+    for k, (name, overrides) in enumerate(_tandem_configs(args, end2end).items()):
         config = VisionConfig(**base, **overrides)
         engine = VisionEngine(config)
         try:
@@ -472,7 +481,7 @@ def run_bench(args: argparse.Namespace) -> int:
             row = {"name": f"tandem {name}", "kind": "tandem", "config": overrides,
                    "images_per_s": statistics.median(runs), "runs": runs,
                    "preferred_batch_sizes": list(engine.preferred_batch_sizes)}
-            if name == args.dtype:  # the engine the latency and stream figures are taken on
+            if k == 0:  # --dtype's row: the engine the latency and stream figures are taken on
                 stats = engine.stats()
                 for key in ("profile_images_per_s", "preferred_batch_sizes", "workers", "threads_per_worker"):
                     results[key] = stats[key]

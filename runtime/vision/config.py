@@ -17,7 +17,7 @@ from typing import Any
 from schedulers.config import DynamicBatchConfig
 
 MAX_CPU_WORKERS = 8  # each holds a batch of activations: bounds memory on many-core hosts (workers then get more threads)
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 # Where vision differs from the scheduler's defaults: a queued payload may be a decoded frame
@@ -50,8 +50,12 @@ class VisionConfig:
     max_det: int = 300
     device: str = "cpu"
     rect: bool = True  # minimum-rectangle letterbox, as Ultralytics' predict does
-    end2end: bool | None = None  # None: the head mode the model was saved with; True/False forces it
-    dtype: str = "float32"  # bfloat16/float16 only where parity still holds; float16 only on CUDA
+    # None: the end-to-end (NMS-free) head where the model has one (YOLO26, YOLOv10: Ultralytics'
+    # predict(nms=False)), else the one-to-many head + NMS; True/False forces it.
+    end2end: bool | None = None
+    # "auto": the fast path measured to keep accuracy (see resolved_dtype); "float32" keeps exact
+    # parity with Ultralytics; float16 only on CUDA.
+    dtype: str = "auto"
     channels_last: bool = True  # NHWC convolutions: faster with oneDNN on CPU and cuDNN on GPU
     jit: bool = True  # CPU: run a traced TorchScript graph of the model (same results, less overhead)
     # Engine inference threads, each running whole batches with `num_threads` torch threads.
@@ -97,6 +101,31 @@ class VisionConfig:
                 f"got {type(self.batching).__name__}"
             )
         _check_int("profile_iters", self.profile_iters, 1)
+
+    def resolved_dtype(self, end2end: bool | None = None) -> str:
+        """The dtype "auto" stands for on this machine, for a model that runs its end-to-end
+        head (`end2end`: True, False, or None when not yet known): bfloat16 on CPUs that
+        compute it natively (AMX / AVX512-BF16, as oneDNN reports) where the head is
+        end-to-end, float16 on CUDA GPUs, float32 elsewhere.
+
+        Each is the default only because its accuracy was measured on the shipped detector's
+        held-out test set (runtime/vision/evaluate.py, 200 images): bfloat16 on CPU lost 0.38
+        mAP50-95 points with the end-to-end head (0.7830 -> 0.7792; tests/test_vision_accuracy.py
+        holds it within 0.5) but 1.24 with the NMS head (0.8065 -> 0.7941), so an NMS head
+        stays in float32; float16 on a GPU is measured by runtime.vision.gpu_check. Ask for
+        "float32" for results identical to Ultralytics'.
+        """
+        if self.dtype != "auto":
+            return self.dtype
+        import torch
+
+        if self.device.startswith("cuda"):
+            return "float16"
+        if self.device == "cpu" and end2end is not False and torch.backends.mkldnn.is_available():
+            check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+            if check is not None and bool(check()):
+                return "bfloat16"
+        return "float32"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "VisionConfig":

@@ -13,4 +13,12 @@ from pathlib import Path
 
 WEIGHTS = Path(__file__).resolve().parent / "weights" / "shapes_yolo26n.pt"
 IMGSZ = 320  # the size it was trained at; its test images are drawn at this size too
-from runtime.vision.synthetic import CLASSES  # noqa: F401  (re-exported: the detector's class names)
+CLASSES = ("circle", "square", "triangle")  # what runtime/vision/synthetic.py draws, in label order
+
+
+def default_imgsz(model: str | None) -> int:
+    """The input size a CLI uses when none is given: the shipped detector's own, else 640
+    (Ultralytics' default)."""
+    if model is not None and Path(model).resolve() == WEIGHTS:
+        return IMGSZ
+    return 640

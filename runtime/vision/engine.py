@@ -108,7 +108,7 @@ def _profile_key(config: VisionConfig, sizes: list[int], threads: int | None) ->
         cpu = platform.processor()
     gpu = torch.cuda.get_device_name(torch.device(config.device)) if config.device.startswith("cuda") else None
     key = {
-        "model": model, "stamp": stamp, "imgsz": config.imgsz, "dtype": config.dtype, "device": config.device,
+        "model": model, "stamp": stamp, "imgsz": config.imgsz, "dtype": config.resolved_dtype(), "device": config.device,
         "channels_last": config.channels_last, "jit": config.jit, "end2end": config.end2end, "sizes": sizes,
         "iters": config.profile_iters, "workers": config.threads()[0], "threads": threads, "host": platform.node(),
         "cpu": cpu, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

@@ -111,7 +111,7 @@ def load_model(config: VisionConfig, module: nn.Module | None = None) -> LoadedM
         # The head keeps its top-k before our confidence filter; at least 300, as Ultralytics does.
         head.max_det = max(config.max_det, 300)
     device = torch.device(config.device)
-    dtype = TORCH_DTYPES[config.dtype]
+    dtype = TORCH_DTYPES[config.resolved_dtype(end2end)]
     model = model.to(device).eval()
     model = model.to(dtype) if dtype != torch.float32 else model.float()
     if config.channels_last:
@@ -129,7 +129,7 @@ def load_model(config: VisionConfig, module: nn.Module | None = None) -> LoadedM
 
         key = None
         if random_weights:  # the .yaml and the seed determine the weights
-            key = (config.model, config.seed, config.imgsz, config.dtype, config.channels_last, end2end,
+            key = (config.model, config.seed, config.imgsz, config.resolved_dtype(end2end), config.channels_last, end2end,
                    int(getattr(head, "max_det", 0)), config.device)  # fmt: skip
         build_graph(loaded, config.imgsz, key)
     return loaded

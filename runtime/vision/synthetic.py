@@ -19,7 +19,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-CLASSES = ("circle", "square", "triangle")
+from runtime.vision.detector import CLASSES
 
 
 def draw_image(rng: np.random.Generator, size: int, max_objects: int = 6) -> tuple[np.ndarray, list[tuple[int, float, float, float, float]]]:
