@@ -42,7 +42,7 @@ def folder(tmp_path):
 
 def test_directory_with_video_and_a_broken_file(capsys, folder, tmp_path_factory):
     save = tmp_path_factory.mktemp("save")
-    code, lines, err = _run(capsys, str(folder), "--vid-stride", "2", "--save", str(save))
+    code, lines, err = _run(capsys, str(folder), "--vid-stride", "2", "--save", str(save), "--model", "yolo26n.yaml")
     assert code == 3 and "RANDOM weights" in err
     assert [(os.path.basename(x["source"]), x["frame"]) for x in lines] == [
         ("broken.png", 0), ("bus.jpg", 0), ("clip.mp4", 0), ("clip.mp4", 2), ("clip.mp4", 4), ("zidane.jpg", 0)]

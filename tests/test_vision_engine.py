@@ -321,7 +321,7 @@ def test_close_without_drain_fails_queued_requests_and_finishes_running_ones():
 
 def test_profiling_picks_a_preferred_size_and_memory_is_reserved():
     memory = DeviceMemoryManager(MemoryConfig(budget_bytes=2**30))
-    eng = VisionEngine(_config(profile=True, batching={"max_batch_size": 2}, profile_iters=1), memory=memory)
+    eng = VisionEngine(_config(profile=True, batching={"max_batch_size": 2}, profile_iters=1, dtype="float32"), memory=memory)
     try:
         assert set(eng.profile_rates) == {1, 2} and all(r > 0 for r in eng.profile_rates.values())
         assert eng.preferred_batch_sizes == (eng.runner.best_batch_size(eng.profile_rates),)

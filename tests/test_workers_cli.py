@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from runtime.vision.detector import WEIGHTS
 from workers.app import celery_config
 from workers.host import runtime_config
 from workers.message import broker_list, task_message
@@ -23,7 +24,8 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_a_worker_with_no_flags_serves_both_queues_on_the_embedded_defaults():
     runtime, queues, concurrency = worker_plan(_args())
     assert queues == ["llm", "vision"]
-    assert runtime["llm"] == {"dtype": "auto"} and runtime["vision"]["model"] == "yolo26n.yaml"
+    assert runtime["llm"] == {"dtype": "auto"} and runtime["vision"]["model"] == str(WEIGHTS)  # the shipped detector
+    assert runtime["vision"]["imgsz"] == 320  # at its training size
     assert concurrency == 16 + 8 + 2 * 8  # the CPU batch, half again waiting, and two vision batches
 
 
