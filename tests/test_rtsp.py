@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from sources import StreamConfig, load_source  # noqa: E402
 from sources.rtsp_server import APT_PACKAGES, RtspCamera  # noqa: E402
 from sources.stream_reader import TERMINAL  # noqa: E402
+from stream_helpers import take_until  # noqa: E402
 
 W, H, FPS = 320, 240, 30  # 30 fps: FFmpeg probes ~20 frames on open, so each connect takes ~0.7 s
 
@@ -41,17 +41,6 @@ def camera():
         yield cam
     finally:
         cam.stop()
-
-
-def _take_until(src, done, limit_s=15.0):
-    """Frames from `src` until `done(frames)` holds. next_batch wakes on every frame and error,
-    so `limit_s` is only a safety limit, reached when `done` never comes true."""
-    frames, deadline = [], time.monotonic() + limit_s
-    while not done(frames):
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"not done after {limit_s} s: {len(frames)} frames, health {src.health()}"
-        frames.extend(src.next_batch(timeout=remaining))
-    return frames
 
 
 def _ok(frames):
@@ -75,7 +64,7 @@ def test_camera_that_drops_and_comes_back_is_reconnected(camera):
     url = camera.url
     src = load_source(url, stream_config=StreamConfig(**FAST))
     try:
-        first = _take_until(src, lambda fr: len(_ok(fr)) >= 5)
+        first = take_until(src, lambda fr: len(_ok(fr)) >= 5, 15.0)
         assert not any(fr.error for fr in first)
         _assert_camera_frames(_ok(first), url)
         h = _health(src)
@@ -97,7 +86,7 @@ def test_camera_that_drops_and_comes_back_is_reconnected(camera):
         assert camera.start() == url  # the camera comes back on the same port
         back = src.wait_for(lambda hs: hs[0].state == "live" and hs[0].frames_read >= read_while_down + 5, timeout=15)
         assert back, _health(src)
-        again = _take_until(src, lambda fr: len(_ok(fr)) >= 5)
+        again = take_until(src, lambda fr: len(_ok(fr)) >= 5, 15.0)
         assert not any(fr.error for fr in again)  # coming back is not an error
         _assert_camera_frames(_ok(again), url)
         h = _health(src)
@@ -114,7 +103,7 @@ def test_hung_camera_times_out_and_is_reconnected_when_it_recovers(camera):
     url = camera.url
     src = load_source(url, stream_config=StreamConfig(**FAST))
     try:
-        _take_until(src, lambda fr: len(_ok(fr)) >= 3)
+        take_until(src, lambda fr: len(_ok(fr)) >= 3, 15.0)
         camera.freeze()
         # "retrying" (or the reconnect after it) comes after the error is queued and last_error set
         went_down = src.wait_for(lambda hs: hs[0].state in ("retrying", *TERMINAL) or hs[0].reconnects >= 1, timeout=10)
@@ -128,7 +117,7 @@ def test_hung_camera_times_out_and_is_reconnected_when_it_recovers(camera):
         camera.thaw()
         back = src.wait_for(lambda hs: hs[0].state == "live" and hs[0].frames_read >= read_while_hung + 5, timeout=15)
         assert back, _health(src)
-        again = _take_until(src, lambda fr: len(_ok(fr)) >= 3)
+        again = take_until(src, lambda fr: len(_ok(fr)) >= 3, 15.0)
         _assert_camera_frames(_ok(again), url)
         assert _health(src).reconnects >= 1
     finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import cv2
 import numpy as np
@@ -13,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from sources import FileSource, SourceError, StreamConfig, StreamsSource, load_source, parse_streams_file  # noqa: E402
 from sources.loopback import MjpegServer, dead_url  # noqa: E402
+from stream_helpers import take_until  # noqa: E402
 
 
 def _image(path, h=48, w=64, value=90):
@@ -120,17 +120,6 @@ def test_stream_config_is_validated():
         StreamConfig(backoff_initial_s=5, backoff_max_s=1)
 
 
-def _take_until(src, done, limit_s=10.0):
-    """Frames from `src` until `done(frames)` holds. next_batch wakes on every frame and error,
-    so `limit_s` is only a safety limit, reached when `done` never comes true."""
-    frames, deadline = [], time.monotonic() + limit_s
-    while not done(frames):
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"not done after {limit_s} s: {len(frames)} frames, health {src.health()}"
-        frames.extend(src.next_batch(timeout=remaining))
-    return frames
-
-
 def _ok_from(frames, stream):
     return sum(fr.ok and fr.stream == stream for fr in frames)
 
@@ -146,7 +135,7 @@ def test_dead_stream_is_reported_and_live_streams_keep_producing(tmp_path):
 
             # Take frames until the dead stream has failed twice and is connecting a third time:
             # an error per retry would by then have put two error frames out.
-            frames = _take_until(src, lambda fr: both_live_while_it_retries(fr, retries=2, live=5))
+            frames = take_until(src, lambda fr: both_live_while_it_retries(fr, retries=2, live=5), 10.0)
             frames += src.next_batch(timeout=0)  # an error queued after the last batch was taken
             errors = [fr for fr in frames if fr.error]
             assert len(errors) == 1  # reported once when it goes down, not on every retry
@@ -157,7 +146,7 @@ def test_dead_stream_is_reported_and_live_streams_keep_producing(tmp_path):
             assert health[0].state == "live" and health[2].state == "live"
             # The dead one never stops the others: both deliver more while it retries again.
             retries = health[1].reconnects
-            later = _take_until(src, lambda fr: both_live_while_it_retries(fr, retries + 1, live=3))
+            later = take_until(src, lambda fr: both_live_while_it_retries(fr, retries + 1, live=3), 10.0)
             assert not any(fr.stream == 1 for fr in later)  # down already reported, silent since
         finally:
             src.close()
