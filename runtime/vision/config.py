@@ -102,18 +102,17 @@ class VisionConfig:
             )
         _check_int("profile_iters", self.profile_iters, 1)
 
-    def resolved_dtype(self, end2end: bool | None = None) -> str:
-        """The dtype "auto" stands for on this machine, for a model that runs its end-to-end
-        head (`end2end`: True, False, or None when not yet known): bfloat16 on CPUs that
-        compute it natively (AMX / AVX512-BF16, as oneDNN reports) where the head is
-        end-to-end, float16 on CUDA GPUs, float32 elsewhere.
+    def resolved_dtype(self) -> str:
+        """The dtype "auto" stands for on this machine: bfloat16 on CPUs that compute it natively
+        (AMX / AVX512-BF16, as oneDNN reports), float16 on CUDA GPUs, float32 elsewhere.
 
         Each is the default only because its accuracy was measured on the shipped detector's
-        held-out test set (runtime/vision/evaluate.py, 200 images): bfloat16 on CPU lost 0.38
-        mAP50-95 points with the end-to-end head (0.7830 -> 0.7792; tests/test_vision_accuracy.py
-        holds it within 0.5) but 1.24 with the NMS head (0.8065 -> 0.7941), so an NMS head
-        stays in float32; float16 on a GPU is measured by runtime.vision.gpu_check. Ask for
-        "float32" for results identical to Ultralytics'.
+        200 held-out test images (runtime/vision/evaluate.py), mAP50-95 against float32:
+        bfloat16 on CPU (box-regression convs kept in float32, see
+        model.box_convs_in_float32) 0.7836 vs 0.7830 with the end-to-end head and 0.8054 vs
+        0.8065 with the NMS head (tests/test_vision_accuracy.py holds both within 0.5 points);
+        float16 on an H200 0.7829 vs 0.7830 (runtime.vision.gpu_check). Ask for "float32" for
+        results identical to Ultralytics'.
         """
         if self.dtype != "auto":
             return self.dtype
@@ -121,7 +120,7 @@ class VisionConfig:
 
         if self.device.startswith("cuda"):
             return "float16"
-        if self.device == "cpu" and end2end is not False and torch.backends.mkldnn.is_available():
+        if self.device == "cpu" and torch.backends.mkldnn.is_available():
             check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
             if check is not None and bool(check()):
                 return "bfloat16"

@@ -69,6 +69,32 @@ def anchors(hw: tuple[int, int] | torch.Size, strides: tuple[int, ...] = (8, 16,
     return sum((hw[0] // s) * (hw[1] // s) for s in strides)
 
 
+def _input_to_float32(module: nn.Module, args: tuple) -> tuple:
+    return (args[0].float(),)
+
+
+def box_convs_in_float32(head: nn.Module) -> int:
+    """Run the head's last box-regression convolutions (the 1x1 convs that emit the box
+    distances, one per stride) in float32 in a bfloat16 model; returns how many.
+
+    Why: those outputs, in grid units, are multiplied by the stride (up to 32) to give pixels,
+    and bfloat16 keeps 8 significant bits: a distance of ~10 rounds in steps of 1/16 of a cell,
+    up to 2 px, so every box moved. Measured on the shipped detector's 200 held-out images:
+    bfloat16 mAP50-95 0.7792 with them in bfloat16, 0.7836 in float32 (float32 throughout:
+    0.7830), and no measurable cost (3 tiny convs; the forward at batch 8 ran 8.3 to 8.7 ms an
+    image either way). The class scores stay bfloat16: a sigmoid's rounding moves no box.
+    `torch.cat` of the float32 boxes with the bfloat16 scores promotes the rest to float32."""
+    n = 0
+    for name in ("one2one_cv2", "cv2"):  # end-to-end heads keep only one2one_* after fuse()
+        for branch in getattr(head, name, None) or []:
+            last = branch[-1] if isinstance(branch, nn.Sequential) else None
+            if isinstance(last, nn.Conv2d):
+                last.float()
+                last.register_forward_pre_hook(_input_to_float32)
+                n += 1
+    return n
+
+
 def _build(config: VisionConfig, module: nn.Module | None) -> tuple[nn.Module, bool, str]:
     if module is not None:
         # Our own copy: fusing and casting work in place, and the caller's module stays theirs.
@@ -111,11 +137,13 @@ def load_model(config: VisionConfig, module: nn.Module | None = None) -> LoadedM
         # The head keeps its top-k before our confidence filter; at least 300, as Ultralytics does.
         head.max_det = max(config.max_det, 300)
     device = torch.device(config.device)
-    dtype = TORCH_DTYPES[config.resolved_dtype(end2end)]
+    dtype = TORCH_DTYPES[config.resolved_dtype()]
     model = model.to(device).eval()
     model = model.to(dtype) if dtype != torch.float32 else model.float()
     if config.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if dtype == torch.bfloat16:
+        box_convs_in_float32(model.model[-1])
     for p in model.parameters():
         p.requires_grad_(False)
     names = getattr(model, "names", None) or {i: str(i) for i in range(head.nc)}
@@ -129,7 +157,7 @@ def load_model(config: VisionConfig, module: nn.Module | None = None) -> LoadedM
 
         key = None
         if random_weights:  # the .yaml and the seed determine the weights
-            key = (config.model, config.seed, config.imgsz, config.resolved_dtype(end2end), config.channels_last, end2end,
+            key = (config.model, config.seed, config.imgsz, config.resolved_dtype(), config.channels_last, end2end,
                    int(getattr(head, "max_det", 0)), config.device)  # fmt: skip
         build_graph(loaded, config.imgsz, key)
     return loaded
