@@ -24,6 +24,7 @@ from ultralytics.utils import ASSETS  # noqa: E402
 
 from conftest import VISION_IMGSZ, calibrated_yolo  # noqa: E402
 
+from runtime.dtypes import cpu_has_native_bf16  # noqa: E402
 from runtime.vision import jit  # noqa: E402
 from runtime.vision.config import VisionConfig, vision_batching  # noqa: E402
 from runtime.vision.engine import VisionEngine  # noqa: E402
@@ -176,7 +177,7 @@ def test_input_tensor_is_channels_last_and_bit_identical():
     assert torch.equal(t, reference) and t.is_contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no native bfloat16 on this CPU")
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bfloat16 on this CPU")
 def test_bfloat16_is_close_but_not_exact(net, runner):
     """bfloat16 is opt-in because it does not keep parity. On this calibrated random-weight
     model its head outputs differ from float32 by (median box px, median score): 7.3 / 0.013

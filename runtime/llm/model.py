@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import paged_attention as cpu_attn
+from runtime.dtypes import cpu_has_native_bf16
 
 
 @dataclass(slots=True)
@@ -165,7 +166,7 @@ def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return False
     # oneDNN emulates bf16 slowly on CPUs without native support; plain matmuls do better there.
-    return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
+    return dtype != torch.bfloat16 or cpu_has_native_bf16()
 
 
 class PackedLinear(nn.Linear):

@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from runtime.dtypes import cpu_has_native_bf16
 from runtime.vision.ultralytics_import import import_ultralytics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -267,7 +268,7 @@ def _tandem_configs(args: argparse.Namespace, end2end: bool) -> dict[str, dict]:
     first = f"auto ({resolved})" if args.dtype == "auto" else args.dtype
     configs = {first: {"dtype": args.dtype}}
     extra = ["float32"]
-    if args.device == "cpu" and _cpu_bf16():  # AVX512-BF16 / AMX; emulated bfloat16 is slower than float32
+    if args.device == "cpu" and cpu_has_native_bf16():  # AVX512-BF16 / AMX; emulated bfloat16 is slower than float32
         extra.append("bfloat16")
     elif args.device.startswith("cuda"):
         extra += ["bfloat16", "float16"]
@@ -560,13 +561,6 @@ def _print_table(results: dict) -> None:
     print(f"{'streams ' + str(s['streams']) + 'x' + str(s['fps']) + 'fps p50/p99 ms':34s} "
           f"{s['p50_ms']:6.0f}/{s['p99_ms']:<6.0f} processed {s['frames_processed']}/{s['frames_read']}, "
           f"dropped {s['frames_dropped']}")
-
-
-def _cpu_bf16() -> bool:
-    """Whether oneDNN runs bfloat16 natively here (else it is emulated, and slower than float32)."""
-    import torch
-
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def main(argv: list[str] | None = None) -> int:

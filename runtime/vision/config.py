@@ -116,14 +116,12 @@ class VisionConfig:
         """
         if self.dtype != "auto":
             return self.dtype
-        import torch
+        from runtime.dtypes import cpu_has_native_bf16
 
         if self.device.startswith("cuda"):
             return "float16"
-        if self.device == "cpu" and torch.backends.mkldnn.is_available():
-            check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-            if check is not None and bool(check()):
-                return "bfloat16"
+        if self.device == "cpu" and cpu_has_native_bf16():
+            return "bfloat16"
         return "float32"
 
     @classmethod
