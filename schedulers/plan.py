@@ -61,9 +61,12 @@ class StepPlan:
 @dataclass(slots=True)
 class StepResult:
     """The runner's answer: one list of sampled token ids per planned request (empty where
-    `sample` was False), in plan order."""
+    `sample` was False, or where the request is in `failed`), in plan order."""
 
     sampled_token_ids: list[list[int]]
+    # Requests the runner could not admit (their data is bad), request id -> why. They were
+    # left out of the step; the engine fails them, everyone else's tokens stand.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

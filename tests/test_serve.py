@@ -463,6 +463,28 @@ def test_bad_chat_is_400_naming_the_field(env, param, change):
     assert_serving(env)
 
 
+@pytest.mark.parametrize("server", ["main", "embedded"])
+def test_an_out_of_vocabulary_stop_token_id_is_400_and_the_requests_in_flight_keep_their_tokens(stack, server):
+    """Issue 18's reproduction: three completions of 48 tokens streaming, then one with
+    stop_token_ids past the vocabulary. It used to be a 500 for all four, with --embedded too."""
+    proc = stack.main().server if server == "main" else stack.embedded()
+    client, model = stack.client(proc), [m.id for m in stack.client(proc).models.list().data][0]
+    prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+    args = dict(model=model, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **args).choices[0].text for p in prompts]
+    streams = [client.completions.create(prompt=p, stream=True, **args) for p in prompts]
+    firsts = [next(iter(s)).choices[0].text for s in streams[:2]]  # streaming (the main worker runs two at once)
+    for bad in (1_000_000, 2**70):
+        r = httpx.post(proc.url + "/v1/completions", timeout=30, json={
+            "model": model, "prompt": "x", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [bad]})  # fmt: skip
+        assert r.status_code == 400, r.text
+        body = r.json()["error"]
+        assert body["param"] == "stop_token_ids" and str(bad) in body["message"], body
+    texts = [first + "".join(c.choices[0].text for c in s) for first, s in zip([*firsts, ""], streams)]
+    assert texts == alone
+    assert client.completions.create(prompt="Still there?", **{**args, "max_tokens": 2}).usage.completion_tokens == 2
+
+
 def test_a_too_long_prompt_is_400_when_streaming_too(env):
     with pytest.raises(openai.BadRequestError) as exc:
         env.client().completions.create(model=env.model, prompt="hello " * 1200, max_tokens=4, stream=True)

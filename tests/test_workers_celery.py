@@ -231,6 +231,29 @@ def test_malformed_arguments_fail_only_that_job_naming_the_field(env):
     assert env.llm.proc.poll() is None
 
 
+def test_an_out_of_vocabulary_stop_token_id_fails_only_that_job_and_the_others_keep_their_tokens(env):
+    """Issue 18's reproduction: three greedy jobs of 48 tokens in flight, then one with
+    stop_token_ids past the vocabulary. It used to fail the engine step for all four."""
+    kwargs = [{"prompt": p, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+              for p in ("Once upon a time", "The capital of France is", "def fibonacci(n):")]  # fmt: skip
+    alone = [env.jobs.result(env.jobs.submit(**k), timeout=60)["token_ids"] for k in kwargs]
+    victims = [env.jobs.submit(**k) for k in kwargs]
+
+    def in_flight():
+        return all(env.jobs.status(j)["progress"]["tokens"] >= 1 for j in victims)
+
+    wait_for(in_flight, 60, "the three jobs to stream a token")
+    for bad in (1_000_000, 2**70):
+        sent = env.celery.send_task("tandem.generate", queue="llm",
+                                    kwargs={"prompt": "x", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [bad]})  # fmt: skip
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            sent.get(timeout=60)
+        status = env.jobs.status(sent.id)
+        assert status["state"] == "failed" and "stop_token_ids" in status["error"] and str(bad) in status["error"]
+    assert [env.jobs.result(j, timeout=60)["token_ids"] for j in victims] == alone
+    assert env.llm.proc.poll() is None
+
+
 def test_detect_returns_the_tandem_detect_record_for_bytes_and_allowed_paths(env):
     data = base64.b64encode((env.images / "bus.jpg").read_bytes()).decode()
     by_bytes = env.jobs.result(env.jobs.submit_detect(image=data), timeout=120)

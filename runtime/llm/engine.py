@@ -9,9 +9,12 @@ Not thread-safe: one thread drives `step()` (the caller's, or the Runtime's loop
 `prepare()` alone may be called from any thread, so that callers of the Runtime get their
 ValueError at once, on their own thread.
 
-A runner exception inside a step fails exactly the requests of that step's plan (aborted in
-the scheduler, so their KV blocks return, and dropped from the runner), each with the error;
-the engine stays consistent and serves the rest.
+A request's own data (token ids, sampling fields) enters the runner once, when it first joins
+a step; the runner admits each newcomer on its own and reports the ones it could not admit
+(`StepResult.failed`): those fail alone and the step goes on for everyone else, with the same
+tokens. A runner exception inside the step itself fails exactly the requests of that step's
+plan (aborted in the scheduler, so their KV blocks return, and dropped from the runner), each
+with the error; the engine stays consistent and serves the rest.
 """
 
 from __future__ import annotations
@@ -199,6 +202,14 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
+        # Token ids index [rows, vocab] tensors in the sampler: one out of range there would
+        # fail the whole step, so it is refused here, on the caller's thread.
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids must be token ids in [0, {self.vocab_size}) (the model's vocabulary), "
+                f"got {bad[:4]!r}"
+            )
         with self._ids_lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         now = time.monotonic()
@@ -305,6 +316,8 @@ class LLMEngine:
             result = self.runner.execute(plan)
         except Exception as exc:  # noqa: BLE001 - one step's failure stays with its requests
             return finished + self._fail_step(plan, exc)
+        if result.failed:  # requests the runner could not admit: they alone fail, the step went on
+            finished += self._fail_requests(result.failed, now)
         outs = self.scheduler.update(plan, result)
         self.num_steps += 1
         self.last_step_shape = (plan.num_reqs, plan.total_tokens)
@@ -377,6 +390,18 @@ class LLMEngine:
                 t.error, t.error_code = message, "engine_error"
                 failed.append(self._finish(t, "abort", now))
         self.runner.drop_requests(ids)
+        return failed
+
+    def _fail_requests(self, errors: dict[str, str], now: float) -> list[RequestOutput]:
+        """End each request the runner refused (`errors`: id -> why) before the scheduler takes
+        the step's result, so that it skips them and their blocks return."""
+        failed = []
+        for rid, why in errors.items():
+            self.scheduler.abort(rid)
+            t = self._tracked.get(rid)
+            if t is not None:
+                t.error, t.error_code = f"request {rid!r} failed: {why}", "invalid_request"
+                failed.append(self._finish(t, "abort", now))
         return failed
 
     def _finish(self, t: _Tracked, reason: str, now: float) -> RequestOutput:

@@ -23,8 +23,10 @@ Device memory is reserved under one owner instance claimed from the manager ("ll
 "llm#2" for a second runner on the same device): "<owner>.weights", ".activations",
 ".kv_scratch" and the KV pool's ".kv_cache"; release_memory() gives all of it back at once.
 
-If execute() raises, the caller aborts the plan's requests and calls drop_requests() with
-their ids. Nothing else needs undoing: a step changes runner state only for requests of its
+A newcomer whose data cannot be admitted (`_add_request` raises: a token id outside the
+vocabulary, say) is left out of the step and named in `StepResult.failed`; the others run as
+if it had never been planned. If execute() raises, the caller aborts the plan's requests and
+calls drop_requests() with their ids. Nothing else needs undoing: a step changes runner state only for requests of its
 plan (their block tables, their K/V slots, their sampled tokens, which are appended last,
 after the only host sync), and it pops freed ids with a default, so a later plan that frees
 an already-dropped id is fine.
@@ -188,9 +190,16 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
 
     def _add_request(self, nr, fresh: list[int]) -> None:
+        """Take a newcomer's data into runner state. Everything of it that will index a tensor
+        (its token ids, its stop ids) is checked here, so that bad data fails this request at
+        admission (ValueError) and never the batched forward or sampler of everyone else."""
         sp = nr.sampling
         eos = [] if sp is not None and sp.ignore_eos else self.eos_token_ids
         stop_ids = list(dict.fromkeys(eos + (list(sp.stop_token_ids) if sp is not None else [])))
+        vocab = self.spec.vocab_size
+        for field, ids in (("token_ids", nr.token_ids), ("stop_token_ids", stop_ids)):
+            if ids and not (0 <= min(ids) and max(ids) < vocab):
+                raise ValueError(f"{field} must be token ids in [0, {vocab}), got {[t for t in ids if not 0 <= t < vocab][:4]!r}")
         self.requests[nr.request_id] = _RequestState(
             token_ids=list(nr.token_ids),
             block_ids=list(nr.block_ids),
@@ -220,17 +229,24 @@ class ModelRunner:
             batch.remove(rid)
             self.sampler.penalties.remove(rid)
         fresh: list[int] = []  # blocks handed to a request this step
+        failed: dict[str, str] = {}  # newcomers refused at admission: left out of this step
         for nr in plan.new_requests:
-            self._add_request(nr, fresh)
+            try:
+                self._add_request(nr, fresh)
+            except Exception as exc:  # noqa: BLE001 - one request's bad data fails that request alone
+                self.drop_requests([nr.request_id])
+                failed[nr.request_id] = f"{type(exc).__name__}: {exc}"
         if not plan.req_ids:
             self._zero_blocks(fresh)
-            return StepResult(sampled_token_ids=[])
+            return StepResult(sampled_token_ids=[], failed=failed)
 
         bs = self.block_size
-        states = [requests[rid] for rid in plan.req_ids]
+        states = [requests.get(rid) for rid in plan.req_ids]  # None: refused at admission
         decodes: list[int] = []
         prefills: list[int] = []
         for i, (rid, st) in enumerate(zip(plan.req_ids, states)):
+            if st is None:
+                continue
             new_blocks = plan.new_block_ids.get(rid)
             if new_blocks:
                 st.block_ids.extend(new_blocks)
@@ -298,8 +314,8 @@ class ModelRunner:
                 [plan.num_computed_tokens[i] + q for i, q in zip(prefills, q_lens)], dtype=torch.int32
             ).to(dev)
 
-        if not ids:  # every planned request had zero tokens scheduled
-            return StepResult(sampled_token_ids=[[] for _ in plan.req_ids])
+        if not ids:  # every planned request had zero tokens scheduled, or was refused
+            return StepResult(sampled_token_ids=[[] for _ in plan.req_ids], failed=failed)
         sample_idx = [i for i, s in enumerate(plan.sample) if s and i in row_of_last]
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.from_numpy(np.concatenate(pos_parts) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
@@ -310,13 +326,13 @@ class ModelRunner:
 
         out: list[list[int]] = [[] for _ in plan.req_ids]
         if logits is None:
-            return StepResult(sampled_token_ids=out)
+            return StepResult(sampled_token_ids=out, failed=failed)
         sbatch = self._sampling_batch([states[i] for i in sample_idx], [plan.req_ids[i] for i in sample_idx])
         tokens = self.sampler(logits, sbatch).tolist()
         for i, tok in zip(sample_idx, tokens):
             states[i].token_ids.append(tok)
             out[i] = [tok]
-        return StepResult(sampled_token_ids=out)
+        return StepResult(sampled_token_ids=out, failed=failed)
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
         if block_ids:
