@@ -20,7 +20,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/tandem demo
 
+# The worker tests start their own redis-server, an apt package: pip cannot put it in .venv.
 test: $(STAMP)
+	@command -v redis-server >/dev/null || { \
+	  echo "make test: the worker tests start their own redis-server, and none is on PATH; installing Debian's redis-server"; \
+	  if [ "$$(id -u)" != 0 ]; then \
+	    echo "make test: not root, so cannot apt-get: run 'sudo apt-get install redis-server', then make test again" >&2; \
+	    exit 1; \
+	  fi; \
+	  apt-get update -qq && apt-get install -y -qq redis-server; \
+	}
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q
 
 bench-scheduler: $(STAMP)
