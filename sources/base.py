@@ -10,8 +10,9 @@ all (a missing path, an empty directory, a malformed `.streams` line) raises `So
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -21,9 +22,29 @@ IMAGE_EXTENSIONS = frozenset(
 VIDEO_EXTENSIONS = frozenset({"asf", "avi", "gif", "m4v", "mkv", "mov", "mp4", "mpeg", "mpg", "ts", "wmv", "webm"})
 STREAM_SCHEMES = ("rtsp://", "rtsps://", "rtmp://", "http://", "https://", "tcp://", "udp://")
 
+# The most pixels (width x height) an image or frame may have, from any entry point: uploads,
+# URLs, files, directories, videos and streams. It is read from the image's header (or the
+# video's reported frame size) before anything is decoded, because a few hundred KB of PNG
+# or a fabricated JPEG header can say 20000 x 20000 and decoding that costs gigabytes.
+# 8192 x 8192 = 67.1 Mpx: 8x a 4K UHD frame (8.3 Mpx), 2x 8K UHD (33.2 Mpx) and above a
+# 50 Mpx camera's stills, so no real camera or photo meets it, while the largest image it
+# lets through costs about 200 MB decoded (BGR uint8). Raise it with max_image_pixels
+# (VisionConfig, StreamConfig, load_source, `tandem streams --max-image-pixels`).
+DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
+
 
 class SourceError(ValueError):
     """A source that cannot start at all; the message names the path, line or field at fault."""
+
+
+def check_max_pixels(value: object, name: str = "max_image_pixels") -> int:
+    """`value` if it is a valid pixel limit (an integer >= 1), else ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{name} must be an integer >= 1 (width x height; default {DEFAULT_MAX_IMAGE_PIXELS} "
+            f"= 8192 x 8192), got {value!r}"
+        )
+    return value
 
 
 @dataclass(slots=True)

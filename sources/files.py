@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import glob as globlib
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
-from sources.base import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, Frame, SourceError, extension
+from sources.base import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    IMAGE_EXTENSIONS,
+    VIDEO_EXTENSIONS,
+    Frame,
+    SourceError,
+    check_max_pixels,
+    extension,
+)
 from sources.media import count_video_frames, iter_video, read_image, to_bgr
 
 
@@ -88,13 +96,23 @@ def resolve(source: str) -> list[Entry]:
 
 
 class FileSource:
-    """Images and videos from paths, directories, globs and `.txt` lists, in order."""
+    """Images and videos from paths, directories, globs and `.txt` lists, in order. An image
+    or video over `max_image_pixels` (from its header, before decoding) is an error frame."""
 
     kind = "files"
 
-    def __init__(self, sources: str | os.PathLike | Sequence[str | os.PathLike], vid_stride: int = 1) -> None:
+    def __init__(
+        self,
+        sources: str | os.PathLike | Sequence[str | os.PathLike],
+        vid_stride: int = 1,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ) -> None:
         if not isinstance(vid_stride, int) or vid_stride < 1:
             raise SourceError(f"vid_stride must be an integer >= 1, got {vid_stride!r}")
+        try:
+            self.max_image_pixels = check_max_pixels(max_image_pixels)
+        except ValueError as exc:
+            raise SourceError(str(exc)) from None
         items = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
         if not items:
             raise SourceError("no sources given")
@@ -126,12 +144,12 @@ class FileSource:
             if entry.kind == "error":
                 yield Frame(entry.path, error=entry.error)
             elif entry.kind == "video":
-                for frame in iter_video(entry.path, self.vid_stride):
+                for frame in iter_video(entry.path, self.vid_stride, self.max_image_pixels):
                     if self._closed:
                         return
                     yield frame
             else:
-                image, error = read_image(entry.path)
+                image, error = read_image(entry.path, self.max_image_pixels)
                 yield Frame(entry.path, image=image, error=error)
 
     def close(self) -> None:
@@ -140,11 +158,16 @@ class FileSource:
 
 class ArraySource:
     """In-memory numpy arrays (BGR) and PIL images (RGB, converted); a bad one becomes an
-    error frame naming its position."""
+    error frame naming its position, as does one over `max_image_pixels`, for the same limit
+    holds for every input (it is decoded already: the limit spares the work after)."""
 
     kind = "arrays"
 
-    def __init__(self, images: Sequence[object]) -> None:
+    def __init__(self, images: Sequence[object], max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        try:
+            self.max_image_pixels = check_max_pixels(max_image_pixels)
+        except ValueError as exc:
+            raise SourceError(str(exc)) from None
         self.images = list(images)
         if not self.images:
             raise SourceError("no images given")
@@ -157,7 +180,7 @@ class ArraySource:
         for i, value in enumerate(self.images):
             name = f"array:{i}"
             try:
-                yield Frame(name, image=to_bgr(value, name))
+                yield Frame(name, image=to_bgr(value, name, self.max_image_pixels))
             except ValueError as exc:
                 yield Frame(name, error=str(exc))
 

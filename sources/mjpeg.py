@@ -3,7 +3,8 @@
 OpenCV's FFmpeg backend can read MJPEG too, but a server that accepts the connection and
 then stalls can block its read for a long time, and the error it gives is "read failed".
 Reading the multipart stream ourselves bounds every wait by a socket timeout and names the
-failure (refused, HTTP status, wrong content type, stalled).
+failure (refused, HTTP status, wrong content type, stalled). Each part is sized from its
+JPEG header before it is decoded: one over `max_pixels` raises ImageTooLarge, decoding nothing.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import http.client
 import ssl
 import urllib.parse
-from typing import Iterator
+from collections.abc import Iterator
 
-import cv2
 import numpy as np
+
+from sources.base import DEFAULT_MAX_IMAGE_PIXELS
+from sources.media import decode_image
 
 
 class NotMjpeg(Exception):
@@ -30,8 +33,11 @@ def _boundary(content_type: str) -> bytes | None:
     return None
 
 
-def iter_mjpeg(url: str, open_timeout_s: float, read_timeout_s: float) -> Iterator[np.ndarray]:
-    """Decoded BGR frames from an MJPEG HTTP stream until it ends; raises on any failure.
+def iter_mjpeg(
+    url: str, open_timeout_s: float, read_timeout_s: float, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+) -> Iterator[np.ndarray]:
+    """Decoded BGR frames from an MJPEG HTTP stream until it ends; raises on any failure, and
+    ImageTooLarge (a ValueError naming the limit) for a part whose header is over `max_pixels`.
 
     Raises NotMjpeg when the resource is not multipart (e.g. an HLS playlist or an MP4 file
     served over HTTP) so the caller can hand the URL to FFmpeg instead.
@@ -62,7 +68,7 @@ def iter_mjpeg(url: str, open_timeout_s: float, read_timeout_s: float) -> Iterat
             if not line.startswith(boundary):
                 continue
             headers = {}
-            while (line := resp.readline().strip()):
+            while line := resp.readline().strip():
                 key, _, value = line.decode("latin-1").partition(":")
                 headers[key.strip().lower()] = value.strip()
             length = int(headers.get("content-length", "0") or 0)
@@ -71,9 +77,6 @@ def iter_mjpeg(url: str, open_timeout_s: float, read_timeout_s: float) -> Iterat
             data = resp.read(length)
             if len(data) < length:
                 return  # truncated by a closing server
-            image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
-            if image is None:
-                raise ValueError(f"undecodable JPEG part ({length} bytes)")
-            yield image
+            yield decode_image(data, f"MJPEG part ({length} bytes)", max_pixels)  # ValueError: undecodable
     finally:
         conn.close()

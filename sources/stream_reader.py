@@ -10,13 +10,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import cv2
 import numpy as np
 
-from sources.base import Frame
+from sources.base import DEFAULT_MAX_IMAGE_PIXELS, Frame, check_max_pixels
+from sources.media import ImageTooLarge, capture_size_error, check_pixels
 from sources.mjpeg import NotMjpeg, iter_mjpeg
 
 TERMINAL = ("ended", "failed", "closed")
@@ -32,6 +33,10 @@ class StreamConfig:
     backoff_max_s: float = 10.0
     max_retries: int | None = None  # None: live cameras come back, so retry forever
     pace_files: bool = True  # play a local video listed in .streams at its own fps, like a camera
+    # Frames over this many pixels are refused before decoding (an MJPEG part's header, a
+    # capture's reported size): the stream goes down with an error naming the limit, and
+    # retries like any failure. See sources.base.DEFAULT_MAX_IMAGE_PIXELS (8192 x 8192).
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
         if not isinstance(self.buffer, int) or self.buffer < 0:
@@ -40,9 +45,12 @@ class StreamConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.backoff_max_s < self.backoff_initial_s:
-            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_initial_s ({self.backoff_initial_s})")
+            raise ValueError(
+                f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_initial_s ({self.backoff_initial_s})"
+            )
         if self.max_retries is not None and (not isinstance(self.max_retries, int) or self.max_retries < 0):
             raise ValueError(f"max_retries must be an integer >= 0 or None (forever), got {self.max_retries!r}")
+        check_max_pixels(self.max_image_pixels)
 
 
 @dataclass(slots=True)
@@ -69,8 +77,9 @@ class StreamReader:
     stops it at the next frame or timeout and never waits longer than `join_s`.
     """
 
-    def __init__(self, stream: int, url: str, config: StreamConfig, cond: threading.Condition,
-                 on_error: Callable[[Frame], None]) -> None:  # fmt: skip
+    def __init__(
+        self, stream: int, url: str, config: StreamConfig, cond: threading.Condition, on_error: Callable[[Frame], None]
+    ) -> None:
         self.stream, self.url, self.config = stream, url, config
         self._cond = cond
         self._on_error = on_error
@@ -99,8 +108,9 @@ class StreamReader:
         state = self.state
         if state == "live" and since is not None and since > self.config.stall_after_s:
             state = "stalled"
-        return StreamHealth(self.stream, self.url, state, self.frames_read, self.frames_dropped,
-                            self.reconnects, self.last_error, since)  # fmt: skip
+        return StreamHealth(
+            self.stream, self.url, state, self.frames_read, self.frames_dropped, self.reconnects, self.last_error, since
+        )
 
     def close(self, join_s: float = 2.0) -> None:
         self._stop.set()
@@ -183,7 +193,9 @@ class StreamReader:
 
     def _http(self, url: str) -> Iterator[np.ndarray]:
         try:
-            yield from iter_mjpeg(url, self.config.open_timeout_s, self.config.read_timeout_s)
+            yield from iter_mjpeg(
+                url, self.config.open_timeout_s, self.config.read_timeout_s, self.config.max_image_pixels
+            )
         except NotMjpeg:
             yield from self._capture(url, pace=False)  # e.g. HLS or MP4 over HTTP: FFmpeg reads it
 
@@ -194,8 +206,12 @@ class StreamReader:
         if isinstance(target, int):
             cap = cv2.VideoCapture(target)
         else:
-            params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, int(c.open_timeout_s * 1000),
-                      cv2.CAP_PROP_READ_TIMEOUT_MSEC, int(c.read_timeout_s * 1000)]  # fmt: skip
+            params = [
+                cv2.CAP_PROP_OPEN_TIMEOUT_MSEC,
+                int(c.open_timeout_s * 1000),
+                cv2.CAP_PROP_READ_TIMEOUT_MSEC,
+                int(c.read_timeout_s * 1000),
+            ]
             cap = cv2.VideoCapture(target, cv2.CAP_FFMPEG, params)
         try:
             if not cap.isOpened():
@@ -208,6 +224,9 @@ class StreamReader:
                 if time.monotonic() - opening >= 0.9 * c.open_timeout_s:
                     raise TimeoutError(f"cannot open {target!r}: no answer within {c.open_timeout_s:g} s (timed out)")
                 raise ConnectionError(f"cannot open {target!r}: refused (nothing listening, no such stream or not one)")
+            too_large = capture_size_error(cap, f"stream {target!r}", c.max_image_pixels)
+            if too_large:  # checked before the first frame is read
+                raise ImageTooLarge(too_large)
             fps = cap.get(cv2.CAP_PROP_FPS)
             period = 1.0 / fps if pace and c.pace_files and 0 < fps < 1000 else 0.0
             next_t = time.monotonic()
@@ -221,6 +240,7 @@ class StreamReader:
                     if live and time.monotonic() - asked >= 0.9 * c.read_timeout_s:
                         raise TimeoutError(f"no frame within {c.read_timeout_s:g} s: the read timed out (stalled)")
                     return
+                check_pixels(image.shape[1], image.shape[0], f"stream {target!r}", c.max_image_pixels)
                 yield image
                 if period:
                     next_t += period

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from sources.base import Frame, SourceError, is_stream_url
 from sources.stream_reader import TERMINAL, StreamConfig, StreamHealth, StreamReader
@@ -160,7 +160,7 @@ class StreamsSource:
         for r in self.readers:
             r.join(2.0)
 
-    def __enter__(self) -> "StreamsSource":
+    def __enter__(self) -> StreamsSource:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -13,10 +13,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ultralytics.utils import ASSETS  # noqa: E402
+from ultralytics.utils import ASSETS
 
-from runtime.vision.cli import add_detect_arguments, run_detect  # noqa: E402
-from sources.loopback import MjpegServer, dead_url  # noqa: E402
+from runtime.vision.cli import add_detect_arguments, run_detect
+from sources.loopback import MjpegServer, dead_url
 
 
 def _run(capsys, *argv):
@@ -45,7 +45,13 @@ def test_directory_with_video_and_a_broken_file(capsys, folder, tmp_path_factory
     code, lines, err = _run(capsys, str(folder), "--vid-stride", "2", "--save", str(save), "--model", "yolo26n.yaml")
     assert code == 3 and "RANDOM weights" in err
     assert [(os.path.basename(x["source"]), x["frame"]) for x in lines] == [
-        ("broken.png", 0), ("bus.jpg", 0), ("clip.mp4", 0), ("clip.mp4", 2), ("clip.mp4", 4), ("zidane.jpg", 0)]
+        ("broken.png", 0),
+        ("bus.jpg", 0),
+        ("clip.mp4", 0),
+        ("clip.mp4", 2),
+        ("clip.mp4", 4),
+        ("zidane.jpg", 0),
+    ]
     assert "cannot decode" in lines[0]["error"] and lines[0]["boxes"] == []
     for x in lines[1:]:
         assert x["error"] is None and len(x["boxes"]) == len(x["conf"]) == len(x["cls"]) == len(x["names"]) > 0
@@ -91,13 +97,39 @@ def test_streams_with_a_dead_one_and_max_frames(capsys, tmp_path):
     assert {x["source"] for x in lines if not x["error"]} == {a.url, b.url}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["/no/such/dir"], "source not found"), (["bus.jpg", "--imgsz", "100"], "multiple of 32"),
-    (["bus.jpg", "--max-batch-size", "0"], "max_batch_size must be an integer >= 1"),
-    (["bus.jpg", "--max-queue-delay-ms", "-1"], "max_queue_delay_ms must be a number >= 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["/no/such/dir"], "source not found"),
+        (["bus.jpg", "--imgsz", "100"], "multiple of 32"),
+        (["bus.jpg", "--max-batch-size", "0"], "max_batch_size must be an integer >= 1"),
+        (["bus.jpg", "--max-queue-delay-ms", "-1"], "max_queue_delay_ms must be a number >= 0"),
+    ],
+)
 def test_bad_arguments_exit_2_with_a_clear_error(capsys, argv, message):
     parser = argparse.ArgumentParser()
     add_detect_arguments(parser)
     assert run_detect(parser.parse_args(argv)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_max_image_pixels_refuses_a_larger_image_naming_the_limit_and_keeps_the_others(capsys, folder, tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    cv2.imwrite(str(small / "a_small.png"), np.zeros((16, 16, 3), np.uint8))  # 256 px: under the limit
+    shutil.copy(folder / "bus.jpg", small / "bus.jpg")  # 810 x 1080: over it
+    code, lines, _ = _run(capsys, str(small), "--max-image-pixels", "10000", "--model", "yolo26n.yaml")
+    by_name = {os.path.basename(line["source"]): line for line in lines}
+    assert code == 3 and by_name["a_small.png"]["error"] is None
+    assert "810x1080" in by_name["bus.jpg"]["error"] and "max_image_pixels" in by_name["bus.jpg"]["error"]
+
+
+def test_the_worker_takes_max_image_pixels_into_its_vision_config():
+    from workers.worker import add_worker_arguments, worker_plan
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    runtime, _, _ = worker_plan(parser.parse_args(["--queues", "vision", "--max-image-pixels", "4096"]))
+    assert runtime["vision"]["max_image_pixels"] == 4096
+    with pytest.raises(ValueError, match="--max-image-pixels"):
+        worker_plan(parser.parse_args(["--queues", "vision", "--max-image-pixels", "0"]))

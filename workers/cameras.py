@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import IO, Any
 
+from runtime.vision.records import detection_record
 from sources.base import Frame, is_stream_url
 from sources.stream_reader import StreamConfig, StreamReader
 
@@ -121,8 +122,9 @@ def check_stream_url(url: object) -> str:
         raise CameraError("url", f"url must be at most {_MAX_URL} characters without spaces or control characters")
     if not is_stream_url(url):
         raise CameraError(
-            "url", f"url must be a stream URL ({kinds}); local files and webcams only come from the .streams file, "
-            f"got {redact(url)!r}"
+            "url",
+            f"url must be a stream URL ({kinds}); local files and webcams only come from the .streams file, "
+            f"got {redact(url)!r}",
         )
     try:
         parts = urllib.parse.urlsplit(url)
@@ -203,7 +205,9 @@ class CameraService:
     none). `max_fps`: the default rate cap of a camera (None: as fast as the detector takes
     them). `max_in_flight`: frames of one camera in the Runtime at once; newer frames replace
     older ones in the reader's slot meanwhile, so a slow detector drops frames instead of
-    queueing them. The Runtime stays the caller's: close() leaves it open.
+    queueing them. `stream_config` None: the defaults, with the Runtime's max_image_pixels
+    (VisionConfig), so a camera whose frames are over it goes down naming the limit before a
+    frame is decoded. The Runtime stays the caller's: close() leaves it open.
     """
 
     def __init__(
@@ -233,7 +237,11 @@ class CameraService:
         self.runtime, self.redis, self.jsonl = runtime, redis_client, jsonl
         self.maxlen, self.max_in_flight, self.max_cameras = maxlen, max_in_flight, max_cameras
         self.instance, self.publish_interval_s = instance, float(publish_interval_s)
-        self.stream_config = stream_config or StreamConfig()
+        if stream_config is None:
+            vision_config = getattr(getattr(runtime, "vision", None), "config", None)
+            limit = getattr(vision_config, "max_image_pixels", None)
+            stream_config = StreamConfig() if limit is None else StreamConfig(max_image_pixels=limit)
+        self.stream_config = stream_config
         # Cameras a remote caller adds must start with one of these (none: any network stream).
         self.allowed_url_prefixes = tuple(p for p in allowed_url_prefixes if p)
         self.failure: str | None = None  # set when the Runtime refuses work for good (broken, closed)
@@ -251,8 +259,9 @@ class CameraService:
         self._stop_control = threading.Event()
         loops = [self._dispatch, self._publish] + ([self._control] if control and redis_client is not None else [])
         self._threads = [
-            threading.Thread(target=self._guard, args=(f,), name="tandem-cameras" + f.__name__.replace("_", "-"),
-                             daemon=True)
+            threading.Thread(
+                target=self._guard, args=(f,), name="tandem-cameras" + f.__name__.replace("_", "-"), daemon=True
+            )
             for f in loops
         ]
         for t in self._threads:
@@ -271,8 +280,7 @@ class CameraService:
         else:
             url = check_stream_url(url)
             if self.allowed_url_prefixes and not any(url.startswith(p) for p in self.allowed_url_prefixes):
-                raise CameraError("url", f"url {redact(url)!r} is not under an allowed prefix "
-                                         f"(--allowed-url-prefixes)")  # fmt: skip
+                raise CameraError("url", f"url {redact(url)!r} is not under an allowed prefix (--allowed-url-prefixes)")
         cap = check_max_fps(max_fps)
         cap = self.max_fps if cap is None else cap
         with self._cond:
@@ -381,7 +389,7 @@ class CameraService:
         health check and the CLI's exit code say so) instead of leaving it half alive."""
         try:
             loop()
-        except Exception as exc:  # noqa: BLE001 - reported here, once
+        except Exception as exc:
             log.exception("%s ended by an error", threading.current_thread().name)
             self.failure = self.failure or f"{threading.current_thread().name} failed: {type(exc).__name__}: {exc}"
 
@@ -593,13 +601,17 @@ class CameraService:
 
 
 def _record(
-    camera_id: str, url: str, frame: int | None, seq: int | None, det, error: str | None, captured: float | None,
+    camera_id: str,
+    url: str,
+    frame: int | None,
+    seq: int | None,
+    det,
+    error: str | None,
+    captured: float | None,
     finished: float,
 ) -> dict:
     """The JSON record of one result (or of a camera going down), as the module doc shows."""
-    out: dict[str, Any] = {"camera": camera_id, "source": url, "frame": frame, "seq": seq}
-    out.update(det.to_dict() if det is not None else {"boxes": [], "conf": [], "cls": [], "names": []})
-    out["error"] = error
+    out: dict[str, Any] = {"camera": camera_id, "seq": seq, **detection_record(url, frame, det, error)}
     out["captured_at"] = None if captured is None else round(captured, 6)
     out["finished_at"] = round(finished, 6)
     out["latency_ms"] = None if captured is None else round((finished - captured) * 1000, 3)

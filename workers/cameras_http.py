@@ -30,6 +30,7 @@ import threading
 import time
 
 from runtime.vision.detector import WEIGHTS, default_imgsz  # pathlib only
+from runtime.vision.flags import add_max_image_pixels_argument, max_image_pixels_option
 
 # Nothing heavy at import: runtime/cli.py builds its parser from add_streams_arguments. (And no
 # `from __future__ import annotations`: FastAPI must see the endpoints' annotations as objects.)
@@ -150,17 +151,30 @@ def add_streams_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8100, help="HTTP control port (0: a free one, printed)")
     p.add_argument("--instance", default=None, help="this service's name in Redis and /metrics (default: host and pid)")
     p.add_argument("--max-cameras", type=int, default=64, help="most cameras at once")
-    p.add_argument("--allowed-url-prefixes", default=None,
-                   help="comma-separated URL prefixes cameras added over HTTP or Redis must start with "
-                        "(default: any network stream)")  # fmt: skip
+    p.add_argument(
+        "--allowed-url-prefixes",
+        default=None,
+        help="comma-separated URL prefixes cameras added over HTTP or Redis must start with "
+        "(default: any network stream)",
+    )
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: at a signal)")
     g = p.add_argument_group("vision")
-    g.add_argument("--vision-model", default=str(WEIGHTS), help="a local .pt or a model .yaml (random weights); default: the shipped shapes detector")
-    g.add_argument("--imgsz", type=int, default=None, help="letterbox size, a multiple of 32 (default: the shipped detector's 320, else 640)")
+    g.add_argument(
+        "--vision-model",
+        default=str(WEIGHTS),
+        help="a local .pt or a model .yaml (random weights); default: the shipped shapes detector",
+    )
+    g.add_argument(
+        "--imgsz",
+        type=int,
+        default=None,
+        help="letterbox size, a multiple of 32 (default: the shipped detector's 320, else 640)",
+    )
     g.add_argument("--conf", type=float, default=0.25, help="confidence threshold")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     g.add_argument("--max-batch-size", type=int, default=8, help="most frames (of any cameras) in one forward pass")
     g.add_argument("--no-profile", action="store_true", help="skip the start-up batch-size profiling")
+    add_max_image_pixels_argument(g)
 
 
 def _source_urls(source: str) -> list[str]:
@@ -208,6 +222,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
         "batching": {"max_batch_size": args.max_batch_size},
         "profile": not args.no_profile,
     }
+    vision.update(max_image_pixels_option(args))  # the Runtime's, which the camera service's readers take
     VisionConfig.from_dict(vision)  # every field checked before anything loads
     return urls, vision, redis_url
 
@@ -257,11 +272,11 @@ def _serve(args, urls: list[str], vision: dict, redis_client, server: ControlSer
     import logging
 
     from runtime.runtime import Runtime
-    from runtime.vision.cli import _quiet_opencv
+    from runtime.vision.cli import quiet_opencv
     from workers.cameras import CameraService
 
     logging.basicConfig(level=logging.INFO, format="tandem streams: %(message)s", stream=sys.stderr)
-    _quiet_opencv()  # a dead camera is reported once per outage, not in OpenCV's words at every retry
+    quiet_opencv()  # a dead camera is reported once per outage, not in OpenCV's words at every retry
     try:
         runtime = Runtime(vision=vision, profile=not args.no_profile)
     except (OSError, ValueError) as exc:
@@ -275,7 +290,12 @@ def _serve(args, urls: list[str], vision: dict, redis_client, server: ControlSer
     service = None
     try:
         service = CameraService(
-            runtime, redis_client, maxlen=args.maxlen, max_fps=args.max_fps, jsonl=jsonl, instance=args.instance,
+            runtime,
+            redis_client,
+            maxlen=args.maxlen,
+            max_fps=args.max_fps,
+            jsonl=jsonl,
+            instance=args.instance,
             max_cameras=args.max_cameras,
             allowed_url_prefixes=tuple(u.strip() for u in (args.allowed_url_prefixes or "").split(",")),
         )

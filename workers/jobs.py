@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import CancelledError
 from dataclasses import replace
-from types import SimpleNamespace
-from typing import Callable
 
+from runtime.vision.records import detection_record
 from workers.host import ActiveJob, Cancelled, Fenced, WorkerHost
 from workers.jobspec import allowed_path, allowed_url, decode_image_b64, parse_detect, parse_generate
 
@@ -31,8 +31,14 @@ class JobCancelled(Exception):
     """The job was cancelled (before this delivery, or while it ran)."""
 
 
-def run_job(host: WorkerHost, task: str, job_id: str, queue: str, kwargs: dict,
-            body: Callable[[WorkerHost, ActiveJob, dict], tuple[dict, str]]) -> dict:  # fmt: skip
+def run_job(
+    host: WorkerHost,
+    task: str,
+    job_id: str,
+    queue: str,
+    kwargs: dict,
+    body: Callable[[WorkerHost, ActiveJob, dict], tuple[dict, str]],
+) -> dict:
     """Returns the job's result; raises ValueError / RuntimeError with the job's error,
     JobCancelled, or Duplicate when there is nothing for this delivery to do."""
     if not host.reserve(job_id):  # one delivery of a job at a time on this worker
@@ -46,9 +52,17 @@ def run_job(host: WorkerHost, task: str, job_id: str, queue: str, kwargs: dict,
 def _run_reserved(host: WorkerHost, task: str, job_id: str, queue: str, kwargs: dict, body) -> dict:
     max_tokens = kwargs.get("max_tokens", DEFAULT_MAX_TOKENS)
     token = uuid.uuid4().hex
-    claim = host.store.claim(job_id, host.worker_id, token, task, queue, kwargs,
-                             ttl_s=host.settings.job_ttl_s, submitted_at=time.time(),
-                             max_tokens=max_tokens if isinstance(max_tokens, int) else 0)  # fmt: skip
+    claim = host.store.claim(
+        job_id,
+        host.worker_id,
+        token,
+        task,
+        queue,
+        kwargs,
+        ttl_s=host.settings.job_ttl_s,
+        submitted_at=time.time(),
+        max_tokens=max_tokens if isinstance(max_tokens, int) else 0,
+    )
     if claim.outcome == "busy":
         raise Duplicate(f"job {job_id} is running on live worker {claim.detail}")
     if claim.outcome == "final":
@@ -126,8 +140,9 @@ def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict,
         n = len(prefix_ids)
         params = replace(params, max_tokens=params.max_tokens - n, min_tokens=max(0, params.min_tokens - n))
         prompt = job.prompt_token_ids + prefix_ids
-    handle = rt.submit_generate(prompt, params, priority=spec.priority, deadline_s=remaining,
-                                request_id=f"{job.job_id}#{job.attempt}")  # fmt: skip
+    handle = rt.submit_generate(
+        prompt, params, priority=spec.priority, deadline_s=remaining, request_id=f"{job.job_id}#{job.attempt}"
+    )
     job.attach(handle)
     sent, emitted = 0, []
     first_token_at = None
@@ -155,7 +170,7 @@ def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict,
     if out.error:
         raise RuntimeError(out.error)
     streamed = "".join(emitted)
-    trailing = out.text[len(streamed):] if out.text.startswith(streamed) else ""
+    trailing = out.text[len(streamed) :] if out.text.startswith(streamed) else ""
     prompt_ids = job.prompt_token_ids if job.resumed_from else out.prompt_token_ids
     ids, text = prefix_ids + out.token_ids, prefix_text + out.text
     result = _result(host.worker_id, job, rec, prompt_ids, ids, text, out.finish_reason, out, first_token_at)
@@ -178,8 +193,17 @@ def _finished_already(rt, params, ids: list[int]) -> str | None:
     return None
 
 
-def _result(worker_id: str, job: ActiveJob, rec: dict | None, prompt_ids: list[int], ids: list[int], text: str,
-            reason: str, out, first_token_at: float | None = None) -> dict:  # fmt: skip
+def _result(
+    worker_id: str,
+    job: ActiveJob,
+    rec: dict | None,
+    prompt_ids: list[int],
+    ids: list[int],
+    text: str,
+    reason: str,
+    out,
+    first_token_at: float | None = None,
+) -> dict:
     """The task's result. `rec` (the job record) only for a resumed job: its first attempt's
     start and first token; a first attempt knows its own."""
     now = time.time()
@@ -205,8 +229,11 @@ def _result(worker_id: str, job: ActiveJob, rec: dict | None, prompt_ids: list[i
         "text": text,
         "token_ids": ids,
         "finish_reason": reason,
-        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                  "total_tokens": len(prompt_ids) + len(ids)},  # fmt: skip
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(ids),
+            "total_tokens": len(prompt_ids) + len(ids),
+        },
         "timings": timings,
     }
 
@@ -217,14 +244,15 @@ def _result(worker_id: str, job: ActiveJob, rec: dict | None, prompt_ids: list[i
 def detect_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict, str]:
     spec = parse_detect(kwargs)
     settings = host.settings
-    if spec.kind == "path":
+    rt = _runtime_serving(host, "vision", "a vision model (start it with the vision queue)")
+    limit = max_image_pixels(rt)
+    if spec.kind == "path":  # read on the Runtime's batcher, sized from its header against the same limit
         source = item = allowed_path(spec.value, settings.allowed_roots)
     elif spec.kind == "url":
         source = allowed_url(spec.value, settings.allowed_url_prefixes)
-        item = _decode(_fetch(source), "url")
+        item = decode_upload(fetch_image(source), "url", limit)
     else:
-        source, item = "image", _decode(decode_image_b64(spec.value), "image")
-    rt = _runtime_serving(host, "vision", "a vision model (start it with the vision queue)")
+        source, item = "image", decode_upload(decode_image_b64(spec.value), "image", limit)
     remaining = _time_left(job, spec.deadline_s)
     future = rt.submit_detect(item, priority=spec.priority, deadline_s=remaining, request_id=job.job_id)
     job.attach(future)
@@ -234,22 +262,27 @@ def detect_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict, s
         if job.fenced:
             raise Fenced() from None
         raise Cancelled() from None
-    from runtime.vision.cli import _line  # the `tandem detect` record, one format for both
-
-    return json.loads(_line(SimpleNamespace(source=source, index=0), det)), ""
+    return detection_record(source, 0, det), ""
 
 
-def _decode(data: bytes, field: str):
-    import cv2
-    import numpy as np
+def max_image_pixels(rt) -> int:
+    """The pixel limit of `rt`'s vision model (VisionConfig.max_image_pixels)."""
+    from sources.base import DEFAULT_MAX_IMAGE_PIXELS
 
-    img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
-    if img is None:
-        raise ValueError(f"{field}: the bytes are not an image OpenCV can decode")
-    return img
+    return getattr(getattr(getattr(rt, "vision", None), "config", None), "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)
 
 
-def _fetch(url: str, limit: int = 32 << 20, timeout: float = 10.0) -> bytes:
+def decode_upload(data: bytes, field: str, max_pixels: int | None = None):
+    """Uploaded or fetched bytes as a BGR image. The header is read first: bytes that are no
+    image format, or an image over `max_pixels` (None: sources.base.DEFAULT_MAX_IMAGE_PIXELS),
+    raise a ValueError naming `field` (400 / invalid_request) without being decoded."""
+    from sources.base import DEFAULT_MAX_IMAGE_PIXELS
+    from sources.media import decode_image
+
+    return decode_image(data, field, DEFAULT_MAX_IMAGE_PIXELS if max_pixels is None else max_pixels)
+
+
+def fetch_image(url: str, limit: int = 32 << 20, timeout: float = 10.0) -> bytes:
     from urllib.request import HTTPRedirectHandler, build_opener
 
     class _NoRedirect(HTTPRedirectHandler):

@@ -17,7 +17,9 @@ import json
 import os
 import sys
 
+from runtime.llm.flags import add_engine_arguments, engine_options
 from runtime.vision.detector import WEIGHTS, default_imgsz
+from runtime.vision.flags import add_max_image_pixels_argument, max_image_pixels_option
 from workers.settings import QUEUES
 
 
@@ -32,22 +34,22 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
 def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     """The Runtime's flags, shared by `tandem worker` and `tandem serve --embedded`."""
     p.add_argument("--queues", default="llm,vision", help="comma-separated: llm, vision or both")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients ask for (default: the model's file name; SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients ask for (default: the model's file name; SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--allowed-roots", default=None, help=f"{os.pathsep}-separated folders tandem.detect may read")
-    g = p.add_argument_group("llm")
-    g.add_argument("--model", default=None, help="local HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bfloat16 on CPUs with AMX or AVX512-BF16 and on GPUs, else float32")
-    g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (default: 16 CPU, 256 CUDA)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--kv-cache-bytes", type=int, default=None)
+    add_engine_arguments(p.add_argument_group("llm"))
     g = p.add_argument_group("vision")
-    g.add_argument("--vision-model", default=str(WEIGHTS), help="a .pt checkpoint or a .yaml (random weights); default: the shipped shapes detector")
+    g.add_argument(
+        "--vision-model",
+        default=str(WEIGHTS),
+        help="a .pt checkpoint or a .yaml (random weights); default: the shipped shapes detector",
+    )
     g.add_argument("--imgsz", type=int, default=None, help="default: the shipped detector's 320, else 640")
     g.add_argument("--vision-max-batch-size", type=int, default=8)
+    add_max_image_pixels_argument(g)
     p.add_argument("--no-profile", action="store_true", help="skip start-up profiling (faster start)")
 
 
@@ -58,13 +60,15 @@ def worker_plan(args: argparse.Namespace) -> tuple[dict, list[str], int]:
         raise ValueError(f"--queues must name some of {list(QUEUES)}, got {args.queues!r}")
     llm = vision = None
     if "llm" in queues:
-        llm = {"model": args.model, "dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
-               "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
-               "kv_cache_bytes": args.kv_cache_bytes}  # fmt: skip
-        llm = {k: v for k, v in llm.items() if v is not None}
+        llm = engine_options(args)
     if "vision" in queues:
         batching = {"max_batch_size": args.vision_max_batch_size}
-        vision = {"model": args.vision_model, "imgsz": args.imgsz or default_imgsz(args.vision_model), "batching": batching}
+        vision = {
+            "model": args.vision_model,
+            "imgsz": args.imgsz or default_imgsz(args.vision_model),
+            "batching": batching,
+            **max_image_pixels_option(args),
+        }
         if args.device is not None:
             vision["device"] = args.device
         if args.no_profile:
@@ -106,9 +110,24 @@ def run_worker(args: argparse.Namespace) -> int:
     from workers.app import app
 
     name = args.hostname or f"tandem-{'-'.join(queues)}-{os.getpid()}@%h"
-    argv = ["worker", "--pool", "threads", "--concurrency", str(concurrency), "--queues", ",".join(queues),
-            "--hostname", name, "--loglevel", args.loglevel, "--prefetch-multiplier", "1",
-            "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
+    argv = [
+        "worker",
+        "--pool",
+        "threads",
+        "--concurrency",
+        str(concurrency),
+        "--queues",
+        ",".join(queues),
+        "--hostname",
+        name,
+        "--loglevel",
+        args.loglevel,
+        "--prefetch-multiplier",
+        "1",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+    ]
     app.worker_main(argv)
     return 0
 

@@ -25,9 +25,8 @@ import numpy as np
 from runtime.vision.postprocess import Detections
 from runtime.vision.runner import Prepared, YoloRunner
 from schedulers import Batch
-from sources.base import Frame
+from sources.base import DEFAULT_MAX_IMAGE_PIXELS, Frame
 from sources.media import read_image, to_bgr
-
 
 
 class VisionInputError(ValueError):
@@ -55,21 +54,28 @@ class ReadyBatch:
     decode_ms: float
 
 
-def decode(item: Any) -> np.ndarray:
-    """Any accepted input as a BGR uint8 array; VisionInputError says what is wrong."""
+def decode(item: Any, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
+    """Any accepted input as a BGR uint8 array; VisionInputError says what is wrong. A path is
+    sized from its header and refused over `max_pixels` before it is decoded; an array, a PIL
+    image or a frame over it is refused too (it is decoded already: the limit spares the rest)."""
     if isinstance(item, Frame):
         if item.error is not None or item.image is None:
             raise VisionInputError(item.error or f"frame {item.index} of {item.source} has no image")
         item = item.image
     if isinstance(item, (str, os.PathLike)):
-        image, error = read_image(os.fspath(item))
+        image, error = read_image(os.fspath(item), max_pixels)
         if error:
             raise VisionInputError(error)
         return image
     try:
-        return to_bgr(item, "input")
+        return to_bgr(item, "input", max_pixels)
     except ValueError as exc:
         raise VisionInputError(str(exc)) from None
+
+
+def max_image_pixels(runner: Any) -> int:
+    """The runner's configured pixel limit (VisionConfig.max_image_pixels)."""
+    return getattr(getattr(runner, "config", None), "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)
 
 
 def resolve(future: Future, result: Any = None, error: BaseException | None = None) -> bool:
@@ -108,10 +114,10 @@ def _fail(jobs: dict[str, VisionJob], request_ids: list[str], stage: str, exc: E
             resolve(job.future, error=error)
 
 
-def _decode_or_error(payload: Any) -> tuple[np.ndarray | None, VisionInputError | None]:
+def _decode_or_error(payload: Any, max_pixels: int) -> tuple[np.ndarray | None, VisionInputError | None]:
     """(image, None), or (None, what is wrong with this input); raises nothing."""
     try:
-        return decode(payload), None
+        return decode(payload, max_pixels), None
     except VisionInputError as exc:
         return None, exc
     except Exception as exc:  # noqa: BLE001 - an input no decoder expected is still that input's fault
@@ -127,12 +133,16 @@ def prepare_batch(runner: YoloRunner, batch: Batch, jobs: dict[str, VisionJob], 
         t0 = time.perf_counter()
         images = []
         pool = getattr(runner, "host_pool", None)  # a stand-in runner (tests) may have none
+        limit = max_image_pixels(runner)
         decoding = []
         for rid, payload in zip(batch.request_ids, batch.payloads):
             job = jobs.get(rid)
             if not _start(job):
                 continue
-            decoding.append((rid, job, pool.submit(_decode_or_error, payload) if pool is not None else _decode_or_error(payload)))
+            out = (
+                pool.submit(_decode_or_error, payload, limit) if pool is not None else _decode_or_error(payload, limit)
+            )
+            decoding.append((rid, job, out))
         for rid, job, out in decoding:
             image, error = out.result() if pool is not None else out
             if error is not None:

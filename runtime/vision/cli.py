@@ -17,56 +17,76 @@ import argparse
 import json
 import sys
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Iterator
 
 from runtime.vision.detector import WEIGHTS, default_imgsz
+from runtime.vision.flags import add_max_image_pixels_argument, max_image_pixels_option
+from runtime.vision.records import detection_record
 
 EXIT_OK, EXIT_ALL_FAILED, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 _IDLE_S = 0.05  # how often a stream run with nothing arriving prints the results that are done
 
 
 def add_detect_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", help="image, directory, glob, .txt list, video, .streams file, stream URL or webcam index")
-    parser.add_argument("--model", default=str(WEIGHTS),
-                        help="a local .pt checkpoint or a model .yaml (random weights); nothing is downloaded "
-                             "(default: the shipped shapes detector, runtime/vision/detector.py)")
-    parser.add_argument("--imgsz", type=int, default=None,
-                        help="letterbox size, a multiple of 32 (default: the shipped detector's 320, else 640)")
+    parser.add_argument(
+        "source", help="image, directory, glob, .txt list, video, .streams file, stream URL or webcam index"
+    )
+    parser.add_argument(
+        "--model",
+        default=str(WEIGHTS),
+        help="a local .pt checkpoint or a model .yaml (random weights); nothing is downloaded "
+        "(default: the shipped shapes detector, runtime/vision/detector.py)",
+    )
+    parser.add_argument(
+        "--imgsz",
+        type=int,
+        default=None,
+        help="letterbox size, a multiple of 32 (default: the shipped detector's 320, else 640)",
+    )
     parser.add_argument("--conf", type=float, default=0.25, help="confidence threshold")
     parser.add_argument("--iou", type=float, default=0.7, help="NMS IoU threshold (non end-to-end heads)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="most frames in one forward pass")
-    parser.add_argument("--max-queue-delay-ms", type=float, default=5.0,
-                        help="how long a frame may wait for others to fill its batch")
+    parser.add_argument(
+        "--max-queue-delay-ms", type=float, default=5.0, help="how long a frame may wait for others to fill its batch"
+    )
     parser.add_argument("--vid-stride", type=int, default=1, help="run every n-th video frame")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="auto (default): bfloat16 on CPUs with native bf16 (AMX/AVX512-BF16), float16 on "
-                             "CUDA, else float32; measured within 0.5 mAP of float32 on the shipped detector. "
-                             "float32 matches Ultralytics exactly; validate a fast dtype on your own weights")
-    parser.add_argument("--max-frames", type=int, default=None,
-                        help="stop after this many output lines, error lines included (for streams)")
-    parser.add_argument("--save", metavar="DIR", default=None,
-                        help="write annotated images / videos to DIR, or to DIR2, DIR3, ... if DIR holds files")
-    parser.add_argument("--stream-buffer", type=int, default=0,
-                        help="0: newest frame per stream only; n: a FIFO of n frames per stream")
-    parser.add_argument("--stream-retries", type=int, default=3,
-                        help="reconnects a stream gets after it goes down before it counts as dead (-1: forever); "
-                             "a run whose streams are all dead or ended stops")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="auto (default): bfloat16 on CPUs with native bf16 (AMX/AVX512-BF16), float16 on "
+        "CUDA, else float32; measured within 0.5 mAP of float32 on the shipped detector. "
+        "float32 matches Ultralytics exactly; validate a fast dtype on your own weights",
+    )
+    parser.add_argument(
+        "--max-frames",
+        type=int,
+        default=None,
+        help="stop after this many output lines, error lines included (for streams)",
+    )
+    parser.add_argument(
+        "--save",
+        metavar="DIR",
+        default=None,
+        help="write annotated images / videos to DIR, or to DIR2, DIR3, ... if DIR holds files",
+    )
+    parser.add_argument(
+        "--stream-buffer", type=int, default=0, help="0: newest frame per stream only; n: a FIFO of n frames per stream"
+    )
+    parser.add_argument(
+        "--stream-retries",
+        type=int,
+        default=3,
+        help="reconnects a stream gets after it goes down before it counts as dead (-1: forever); "
+        "a run whose streams are all dead or ended stops",
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the start-up batch-size profiling")
+    add_max_image_pixels_argument(parser)
 
 
-def _line(frame, det=None, error: str | None = None) -> str:
-    out = {"source": frame.source, "frame": frame.index}
-    if det is not None:
-        out.update(det.to_dict())
-    else:
-        out.update({"boxes": [], "conf": [], "cls": [], "names": []})
-    out["error"] = error
-    return json.dumps(out)
-
-
-def _quiet_opencv() -> None:
+def quiet_opencv() -> None:
     """OpenCV logs every failed open of a camera or stream itself, several lines each time;
     the error lines already say what failed, once. (The CLI's choice: the library leaves
     OpenCV's logging alone.)"""
@@ -89,8 +109,15 @@ def run_detect(args: argparse.Namespace) -> int:
             raise ValueError(problem)
         batching = vision_batching(max_batch_size=args.max_batch_size, max_queue_delay_ms=args.max_queue_delay_ms)
         config = VisionConfig(
-            model=args.model, imgsz=args.imgsz or default_imgsz(args.model), conf=args.conf, iou=args.iou, device=args.device,
-            dtype=args.dtype, batching=batching, profile=not args.no_profile,
+            model=args.model,
+            imgsz=args.imgsz or default_imgsz(args.model),
+            conf=args.conf,
+            iou=args.iou,
+            device=args.device,
+            dtype=args.dtype,
+            batching=batching,
+            profile=not args.no_profile,
+            **max_image_pixels_option(args),
         )
         if args.max_frames is not None and args.max_frames < 1:
             raise ValueError(f"--max-frames must be >= 1, got {args.max_frames}")
@@ -100,11 +127,17 @@ def run_detect(args: argparse.Namespace) -> int:
             buffer=args.stream_buffer, max_retries=None if args.stream_retries == -1 else args.stream_retries
         )
         # Streams start reading once the model is ready: frames read before would be dropped.
-        source = load_source(args.source, vid_stride=args.vid_stride, stream_config=stream_config, start_streams=False)
+        source = load_source(
+            args.source,
+            vid_stride=args.vid_stride,
+            stream_config=stream_config,
+            start_streams=False,
+            max_image_pixels=config.max_image_pixels,
+        )
     except (ValueError, SourceError) as exc:
         print(f"tandem detect: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    _quiet_opencv()
+    quiet_opencv()
     try:
         return _detect(args, config, source)
     except KeyboardInterrupt:
@@ -169,7 +202,7 @@ def _detect(args: argparse.Namespace, config, source) -> int:
                 if writer is not None:
                     writer.write(frame, det)
         counts["failed" if error else "ok"] += 1
-        print(_line(frame, det, error), flush=True)
+        print(json.dumps(detection_record(frame.source, frame.index, det, error)), flush=True)
         bar.update(1)
 
     def emit_done() -> None:

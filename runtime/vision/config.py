@@ -15,8 +15,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from schedulers.config import DynamicBatchConfig
+from sources.base import DEFAULT_MAX_IMAGE_PIXELS, check_max_pixels
 
-MAX_CPU_WORKERS = 8  # each holds a batch of activations: bounds memory on many-core hosts (workers then get more threads)
+MAX_CPU_WORKERS = (
+    8  # each holds a batch of activations: bounds memory on many-core hosts (workers then get more threads)
+)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -67,6 +70,11 @@ class VisionConfig:
     batching: DynamicBatchConfig = field(default_factory=vision_batching)
     profile: bool = True  # time each batch size at start-up to choose the preferred one
     profile_iters: int = 2
+    # The most pixels (width x height) an input may have: encoded images are sized from their
+    # header and refused before decoding (paths here; bytes and URLs in the workers and the
+    # server, stream frames in the camera service, all with this value); decoded arrays over
+    # it are refused too. 8192 x 8192 = 67.1 Mpx, 8x 4K: see sources.base.DEFAULT_MAX_IMAGE_PIXELS.
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def threads(self) -> tuple[int, int | None]:
         """(inference workers, torch threads per worker; None: torch's default)."""
@@ -101,6 +109,7 @@ class VisionConfig:
                 f"got {type(self.batching).__name__}"
             )
         _check_int("profile_iters", self.profile_iters, 1)
+        check_max_pixels(self.max_image_pixels)
 
     def resolved_dtype(self) -> str:
         """The dtype "auto" stands for on this machine: bfloat16 on CPUs that compute it natively
@@ -111,7 +120,7 @@ class VisionConfig:
         bfloat16 on CPU (box-regression convs kept in float32, see
         model.box_convs_in_float32) 0.7836 vs 0.7830 with the end-to-end head and 0.8054 vs
         0.8065 with the NMS head (tests/test_vision_accuracy.py holds both within 0.5 points);
-        float16 on an H200 0.7829 vs 0.7830 (runtime.vision.gpu_check). Ask for "float32" for
+        float16 on an H200 0.7829 vs 0.7830 (benchmarks.gpu_vision). Ask for "float32" for
         results identical to Ultralytics'.
         """
         if self.dtype != "auto":
@@ -125,7 +134,7 @@ class VisionConfig:
         return "float32"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "VisionConfig":
+    def from_dict(cls, d: dict[str, Any]) -> VisionConfig:
         """A config from plain fields, `batching` as a nested dict (over the vision defaults);
         unknown keys are named in the ValueError, nested ones as "batching.<key>"."""
         if not isinstance(d, dict):
