@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.tandem-installed
 
-.PHONY: demo test bench-scheduler setup
+.PHONY: demo test lint bench-scheduler setup
 
 setup: $(STAMP)
 
@@ -32,5 +32,10 @@ test: $(STAMP)
 	}
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q
 
+# ruff, configured in pyproject.toml: the linter, and the formatter in check mode (`ruff format .` fixes).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 bench-scheduler: $(STAMP)
-	$(VENV)/bin/tandem bench scheduler
+	$(VENV)/bin/python -m benchmarks scheduler

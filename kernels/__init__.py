@@ -2,5 +2,5 @@
 
 paged_attention: pure torch, the CPU path and the reference any faster kernel must match.
 triton_attention: Triton kernels for CUDA (write_kv, paged decode, varlen paged prefill), each
-with a torch reference; `python -m kernels.gpu_check` checks and times them on a GPU.
+with a torch reference; `python -m benchmarks.gpu_kernels` checks and times them on a GPU.
 """

@@ -34,7 +34,9 @@ import torch
 import torch.nn.functional as F
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store k, v [num_tokens, num_kv_heads, head_dim] at `slot_mapping` [num_tokens] (int64)."""
     nkv, hd = k_cache.shape[-2:]
     k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, k)
@@ -56,12 +58,6 @@ def decode_mask(context_lens: torch.Tensor, max_len: int, dtype: torch.dtype | N
     if dtype is None:
         return inside
     return torch.zeros(inside.shape, dtype=dtype, device=inside.device).masked_fill_(~inside, float("-inf"))
-
-
-def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows of the flattened cache at `slots` (any shape) -> slots.shape + [num_kv_heads, head_dim]."""
-    nkv, hd = cache.shape[-2:]
-    return cache.view(-1, nkv, hd).index_select(0, slots.reshape(-1)).view(*slots.shape, nkv, hd)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ when it decorates, and triton.language decorates its own helpers (tl.zeros, tl.s
 import (tests/conftest.py sets it). The kernels are cached per interpreter setting. Under the
 interpreter only, bfloat16 tl.dot operands are upcast to float32 (UPCAST): triton 3.8's
 interpreter multiplies bfloat16's raw uint16 storage. The GPU's bfloat16 MMA path is therefore
-exercised by kernels/gpu_check.py, not by the CPU tests.
+exercised by benchmarks/gpu_kernels.py, not by the CPU tests.
 
 Requirements checked by the wrappers (ValueError naming the argument otherwise): dtypes float32,
 float16, bfloat16 (cache dtype = q dtype); head_dim a power of two in [16, 256] (tl.arange
@@ -57,7 +57,6 @@ import math
 import os
 
 import torch
-
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -86,11 +85,26 @@ def _kernels():
 
     @triton.jit
     def write_kv_kernel(
-        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-        stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-        stride_cb, stride_cs, stride_ch, stride_cd,
-        NKV: tl.constexpr, NKV_P: tl.constexpr, HD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    ):  # fmt: skip
+        k_ptr,
+        v_ptr,
+        kc_ptr,
+        vc_ptr,
+        slot_ptr,
+        stride_kt,
+        stride_kh,
+        stride_kd,
+        stride_vt,
+        stride_vh,
+        stride_vd,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        stride_cd,
+        NKV: tl.constexpr,
+        NKV_P: tl.constexpr,
+        HD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ):
         # One program per token: all its heads at once ([NKV_P, HD], padded to a power of two).
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -109,12 +123,33 @@ def _kernels():
 
     @triton.jit
     def decode_kernel(
-        q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, qk_scale,
-        stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od,
-        stride_cb, stride_cs, stride_ch, stride_cd, stride_btb, stride_btn,
-        G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        bt_ptr,
+        ctx_ptr,
+        out_ptr,
+        qk_scale,
+        stride_qb,
+        stride_qh,
+        stride_qd,
+        stride_ob,
+        stride_oh,
+        stride_od,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        stride_cd,
+        stride_btb,
+        stride_btn,
+        G: tl.constexpr,
+        G_P: tl.constexpr,
+        HD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         ctx = tl.load(ctx_ptr + b)
@@ -122,7 +157,9 @@ def _kernels():
         d = tl.arange(0, HD)
         head = kvh * G + g
         g_ok = g < G
-        q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :] * stride_qd, mask=g_ok[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :] * stride_qd, mask=g_ok[:, None], other=0.0
+        )
         if UPCAST:
             # Only under the interpreter, whose tl.dot multiplies bfloat16's raw uint16 storage
             # (triton 3.8): the operands go to float32, where bfloat16 products are exact.
@@ -158,17 +195,43 @@ def _kernels():
             m_i = m_new
         # An empty context (not a decode the engine makes) gives zeros rather than 0/0.
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :] * stride_od,
-                 acc.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])  # fmt: skip
+        tl.store(
+            out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :] * stride_od,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None],
+        )
 
     @triton.jit
     def prefill_kernel(
-        q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, qk_scale,
-        stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
-        stride_cb, stride_cs, stride_ch, stride_cd, stride_btb, stride_btn,
-        G: tl.constexpr, HD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        bt_ptr,
+        cu_ptr,
+        ctx_ptr,
+        out_ptr,
+        qk_scale,
+        stride_qt,
+        stride_qh,
+        stride_qd,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        stride_cd,
+        stride_btb,
+        stride_btn,
+        G: tl.constexpr,
+        HD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
         # Grid (query tile, chunk, KV head). A tile is BLOCK_Q query positions of one chunk times
         # the G query heads of the KV head: row r is position r // G, head r % G, so each K/V
         # tile loaded serves the whole group. Tiles past a chunk's end exit at once (the grid
@@ -189,8 +252,11 @@ def _kernels():
         r_ok = (r < BLOCK_Q * G) & (qi < q_len)
         qpos = first_pos + qi
         d = tl.arange(0, HD)
-        q = tl.load(q_ptr + (q_begin + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
-                    mask=r_ok[:, None], other=0.0)  # fmt: skip
+        q = tl.load(
+            q_ptr + (q_begin + qi)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+            mask=r_ok[:, None],
+            other=0.0,
+        )
         if UPCAST:  # see decode_kernel
             q = q.to(tl.float32)
 
@@ -227,8 +293,11 @@ def _kernels():
             acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
             m_i = m_new
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + (q_begin + qi)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
-                 acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None])  # fmt: skip
+        tl.store(
+            out_ptr + (q_begin + qi)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=r_ok[:, None],
+        )
 
     kernels = (write_kv_kernel, decode_kernel, prefill_kernel)
     _kernel_cache[interpret] = kernels
@@ -310,7 +379,7 @@ def _upcast_dot(dtype: torch.dtype) -> bool:
 
 # Launch configurations. Chosen from ptxas' register counts for sm_90 (triton 3.8, compiled
 # ahead of time without a GPU): the largest tiles that neither spill nor fall below two resident
-# programs per SM; not yet tuned by timing (kernels/gpu_check.py sweeps the decode ones). float32
+# programs per SM; not yet tuned by timing (benchmarks/gpu_kernels.py sweeps the decode ones). float32
 # runs tl.dot as exact FMAs ("ieee"), which needs far more registers, hence its small tiles.
 
 
@@ -348,7 +417,9 @@ def write_kv(
     for name, t in (("k", k), ("v", v)):
         _check_tensor(name, t, 3, (k_cache.dtype,))
         if tuple(t.shape[1:]) != (nkv, hd):
-            raise ValueError(f"{name} must have shape [num_tokens, {nkv}, {hd}] (the cache's heads), got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have shape [num_tokens, {nkv}, {hd}] (the cache's heads), got {tuple(t.shape)}"
+            )
     _check_tensor("slot_mapping", slot_mapping, 1, _INT_DTYPES)
     if v.shape[0] != k.shape[0] or slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(
@@ -361,9 +432,19 @@ def write_kv(
     # The 1-D index vectors are read with unit stride; .contiguous() is free when they are.
     slot_mapping = slot_mapping.contiguous()
     kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping, *k.stride(), *v.stride(), *k_cache.stride(),
-        NKV=nkv, NKV_P=_next_pow2(nkv), HD=hd, BLOCK_SIZE=bs,
-    )  # fmt: skip
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        NKV=nkv,
+        NKV_P=_next_pow2(nkv),
+        HD=hd,
+        BLOCK_SIZE=bs,
+    )
 
 
 def write_kv_ref(
@@ -412,11 +493,25 @@ def paged_decode_attention(
     kernel = _kernels()[1]
     context_lens = context_lens.contiguous()
     kernel[(b, nkv)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale * _LOG2E,
-        *q.stride(), *out.stride(), *k_cache.stride(), *block_tables.stride(),
-        G=g, G_P=max(16, _next_pow2(g)), HD=hd, BLOCK_SIZE=bs,
-        DOT_PREC=_dot_precision(q.dtype), UPCAST=_upcast_dot(q.dtype), **decode_config(hd, q.dtype),
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        scale * _LOG2E,
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        *block_tables.stride(),
+        G=g,
+        G_P=max(16, _next_pow2(g)),
+        HD=hd,
+        BLOCK_SIZE=bs,
+        DOT_PREC=_dot_precision(q.dtype),
+        UPCAST=_upcast_dot(q.dtype),
+        **decode_config(hd, q.dtype),
+    )
     return out
 
 
@@ -440,9 +535,13 @@ def _dense_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int
 
 
 def paged_decode_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """paged_decode_attention in torch: per sequence, gather its context, dense float32 softmax."""
     out = torch.empty_like(q)
     for b, n in enumerate(context_lens.tolist()):
@@ -484,8 +583,9 @@ def paged_prefill_attention(
             f"context_lens.shape[0] = {num_chunks}; got {cu_q_lens.shape[0]} and {block_tables.shape[0]}"
         )
     scale = _check_scale(scale)
-    _check_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu_q_lens=cu_q_lens,
-                  context_lens=context_lens)  # fmt: skip
+    _check_device(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu_q_lens=cu_q_lens, context_lens=context_lens
+    )
     out = _check_out(out, q)
     if num_chunks == 0 or total_q == 0:
         return out
@@ -503,18 +603,39 @@ def paged_prefill_attention(
     cu_q_lens, context_lens = cu_q_lens.contiguous(), context_lens.contiguous()
     grid = (-(-max_q_len // block_q), num_chunks, nkv)
     kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, out, scale * _LOG2E,
-        *q.stride(), *out.stride(), *k_cache.stride(), *block_tables.stride(),
-        G=g, HD=hd, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_Q=block_q,
-        DOT_PREC=_dot_precision(q.dtype), UPCAST=_upcast_dot(q.dtype), **config,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_q_lens,
+        context_lens,
+        out,
+        scale * _LOG2E,
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        *block_tables.stride(),
+        G=g,
+        HD=hd,
+        BLOCK_SIZE=bs,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        DOT_PREC=_dot_precision(q.dtype),
+        UPCAST=_upcast_dot(q.dtype),
+        **config,
+    )
     return out
 
 
 def paged_prefill_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    cu_q_lens: torch.Tensor, context_lens: torch.Tensor, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """paged_prefill_attention in torch: per chunk, gather its context, dense causal float32."""
     out = torch.empty_like(q)
     cu = cu_q_lens.tolist()

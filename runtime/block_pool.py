@@ -29,7 +29,7 @@ import hashlib
 import os
 import struct
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 _ROOT_PREFIX = 0  # the prefix id "parent" of every sequence's first block
 
@@ -204,13 +204,6 @@ class BlockPool:
         self.block_parent[block_id] = None
         self.prefix_id[block_id] = None
         self.num_evictions += 1
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every unreferenced cached block (e.g. after new weights are loaded)."""
-        for b in list(self.free_cached):
-            self._evict(b)
-            self.free_uncached.append(b)
-        self.free_cached.clear()
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's books do not balance (used by tests)."""

@@ -28,8 +28,10 @@ def run_llm_part(rt, workload) -> dict:
     def show(i: int, question: str, out) -> None:
         m = out.metrics
         print(f"\nQ{i}: {question}\nA{i}: {out.text.strip()}")
-        print(f"    [{len(out.token_ids)} tokens, {out.finish_reason}, TTFT {m.time_to_first_token * 1000:.0f} ms, "
-              f"end to end {m.e2e_latency:.1f} s]")  # fmt: skip
+        print(
+            f"    [{len(out.token_ids)} tokens, {out.finish_reason}, TTFT {m.time_to_first_token * 1000:.0f} ms, "
+            f"end to end {m.e2e_latency:.1f} s]"
+        )
 
     return drive(rt, None, workload, on_answer=show).llm
 
@@ -67,7 +69,7 @@ class Cameras:
                 self.records.append((record, future))
 
     def stop(self) -> dict:
-        from runtime.mixed import _vision_summary
+        from runtime.mixed import vision_summary
 
         self._stop.set()
         self._thread.join()
@@ -77,8 +79,10 @@ class Cameras:
         for s in self.servers:
             s.close()
         wall = (self.records[-1][0]["submitted"] - self.records[0][0]["submitted"]) if len(self.records) > 1 else 0.0
-        summary = _vision_summary(self.records, wall, self.deadline_s)
-        summary["boxes_last_frame"] = len(self.records[-1][1].result()) if self.records and not self.records[-1][1].exception() else None
+        summary = vision_summary(self.records, wall, self.deadline_s)
+        summary["boxes_last_frame"] = (
+            len(self.records[-1][1].result()) if self.records and not self.records[-1][1].exception() else None
+        )
         summary["stream_errors"] = self.errors
         return summary
 
@@ -92,7 +96,9 @@ def _print_memory(memory) -> None:
     print(f"  {'(unreserved)':<22}{stats['free_bytes'] / mib:>9.1f} MiB")
     kv = stats.get("kv_blocks")
     if kv:
-        print(f"  KV pool: {kv['total']} blocks of {kv['block_size']} tokens, {kv['bytes_per_block'] / 1024:.0f} KiB each")
+        print(
+            f"  KV pool: {kv['total']} blocks of {kv['block_size']} tokens, {kv['bytes_per_block'] / 1024:.0f} KiB each"
+        )
 
 
 def show_detections(rt, n: int = 4) -> None:
@@ -137,8 +143,9 @@ def run_demo(vision: bool = True, llm: bool = True) -> int:
         cameras = Cameras(rt) if vision else None
         if llm:
             _banner("Chat requests (SmolLM2-135M-Instruct, continuous batching) while cameras stream")
-            workload = MixedWorkload(num_requests=6, request_rate=2.0, max_tokens=64,
-                                     repetition_penalty=1.2, llm_deadline_s=30.0)  # fmt: skip
+            workload = MixedWorkload(
+                num_requests=6, request_rate=2.0, max_tokens=64, repetition_penalty=1.2, llm_deadline_s=30.0
+            )
             llm_summary = run_llm_part(rt, workload)
         else:
             time.sleep(5.0)  # vision alone: let the cameras run a few seconds
@@ -148,15 +155,19 @@ def run_demo(vision: bool = True, llm: bool = True) -> int:
     _banner("Latencies, both workloads served at the same time by one Runtime")
     if llm_summary:
         ttft, itl = llm_summary["ttft_ms"], llm_summary["itl_ms"]
-        print(f"LLM:    {llm_summary['requests']} requests, TTFT p50 {ttft['p50']:.0f} ms / p99 {ttft['p99']:.0f} ms, "
-              f"inter-token p50 {itl['p50']:.0f} ms / p99 {itl['p99']:.0f} ms, {llm_summary['tokens_per_s']:.1f} tokens/s, "
-              f"deadlines met {llm_summary['deadline_met']:.0%}")  # fmt: skip
+        print(
+            f"LLM:    {llm_summary['requests']} requests, TTFT p50 {ttft['p50']:.0f} ms / p99 {ttft['p99']:.0f} ms, "
+            f"inter-token p50 {itl['p50']:.0f} ms / p99 {itl['p99']:.0f} ms, {llm_summary['tokens_per_s']:.1f} tokens/s, "
+            f"deadlines met {llm_summary['deadline_met']:.0%}"
+        )
     if frames:
         lat = frames["latency_ms"]
-        print(f"vision: {frames['completed']}/{frames['frames']} camera frames, frame-to-result p50 "
-              f"{lat['p50']:.0f} ms / p99 {lat['p99']:.0f} ms, {frames['frames_per_s']:.1f} frames/s, "
-              f"deadline ({Cameras.__init__.__defaults__[2] * 1000:.0f} ms) met {frames['deadline_met']:.0%}"
-              + (f", stream errors: {frames['stream_errors']}" if frames["stream_errors"] else ""))  # fmt: skip
+        print(
+            f"vision: {frames['completed']}/{frames['frames']} camera frames, frame-to-result p50 "
+            f"{lat['p50']:.0f} ms / p99 {lat['p99']:.0f} ms, {frames['frames_per_s']:.1f} frames/s, "
+            f"deadline ({Cameras.__init__.__defaults__[2] * 1000:.0f} ms) met {frames['deadline_met']:.0%}"
+            + (f", stream errors: {frames['stream_errors']}" if frames["stream_errors"] else "")
+        )
         print(f"        boxes in the last frame: {frames['boxes_last_frame']}")
     arb = stats["arbiter"]
     print(f"arbiter turns {arb['turns']}, reasons {arb['reasons']}")

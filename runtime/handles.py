@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future
-from typing import Callable, Iterator
 
 from runtime.llm.outputs import RequestOutput
 

@@ -4,7 +4,7 @@ package (and building the CLI's parser) does not pull in torch, transformers or 
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 
 def lazy_getattr(package: str, exports: dict[str, str]) -> Callable[[str], object]:

@@ -21,19 +21,82 @@ import bisect
 import json
 import threading
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 PREFIX = "tandem:"
 METRICS_INDEX = "tandem:metrics"  # Redis zset: instance id -> last publish time
 METRICS_KEY = "tandem:metrics:"  # + instance id: its JSON payload, expiring
 
 # Buckets as vLLM's (seconds), so dashboards built for vLLM read these unchanged.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)  # fmt: skip
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 VISION_DELAY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.033, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -207,8 +270,9 @@ def families(payloads: list[dict]) -> Iterator[Any]:
         for p in runtimes:
             c.add_metric(key(p), float(p["metrics"].get("counters", {}).get(name, 0)))
         yield c
-    c = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finished_reason.",
-                            labels=[*labels, "finished_reason"])  # fmt: skip
+    c = CounterMetricFamily(
+        PREFIX + "request_success", "Finished requests by finished_reason.", labels=[*labels, "finished_reason"]
+    )
     for p in runtimes:
         for reason, n in sorted(p["metrics"].get("finished", {}).items()):
             c.add_metric([*key(p), reason], float(n))
@@ -235,17 +299,22 @@ def _camera_families(payloads: list[dict]) -> Iterator[Any]:
 
     labels = ["tandem_instance", "camera"]
     cams = [(str(p.get("instance", "")), c) for p in payloads for c in p.get("cameras", ())]
-    up = GaugeMetricFamily(PREFIX + "camera_up", "1 while the camera delivers frames, else 0.",
-                           labels=[*labels, "state"])  # fmt: skip
+    up = GaugeMetricFamily(
+        PREFIX + "camera_up", "1 while the camera delivers frames, else 0.", labels=[*labels, "state"]
+    )
     fps = GaugeMetricFamily(PREFIX + "camera_fps", "Frames per second detected, recent.", labels=labels)
     counters = {
         "frames": CounterMetricFamily(PREFIX + "camera_frames", "Frames detected.", labels=labels),
-        "drops": CounterMetricFamily(PREFIX + "camera_frames_dropped", "Frames read but never detected "
-                                     "(a newer one replaced them, or the rate cap skipped them).", labels=labels),
+        "drops": CounterMetricFamily(
+            PREFIX + "camera_frames_dropped",
+            "Frames read but never detected (a newer one replaced them, or the rate cap skipped them).",
+            labels=labels,
+        ),
         "detections": CounterMetricFamily(PREFIX + "camera_detections", "Objects detected.", labels=labels),
-        "reconnects": CounterMetricFamily(PREFIX + "camera_reconnects", "Times the camera was reopened.",
-                                          labels=labels),
-    }  # fmt: skip
+        "reconnects": CounterMetricFamily(
+            PREFIX + "camera_reconnects", "Times the camera was reopened.", labels=labels
+        ),
+    }
     for instance, cam in cams:
         lv = [instance, str(cam.get("camera", ""))]
         up.add_metric([*lv, str(cam.get("state", ""))], float(bool(cam.get("up"))))

@@ -18,10 +18,15 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 
 QUESTIONS = [
-    "What is the capital of France?", "Give me three tips for a good night's sleep.", "Write a haiku about autumn.",
-    "What is the boiling point of water in Celsius?", "Explain in one sentence what a GPU is.",
-    "Name two planets larger than Earth.", "Why is the sky blue?", "Suggest a name for a bakery.",
-]  # fmt: skip
+    "What is the capital of France?",
+    "Give me three tips for a good night's sleep.",
+    "Write a haiku about autumn.",
+    "What is the boiling point of water in Celsius?",
+    "Explain in one sentence what a GPU is.",
+    "Name two planets larger than Earth.",
+    "Why is the sky blue?",
+    "Suggest a name for a bakery.",
+]
 
 
 @dataclass(slots=True)
@@ -56,7 +61,11 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def _summary_ms(values: list[float]) -> dict:
-    return {"p50": _pct([v * 1000 for v in values], 0.5), "p99": _pct([v * 1000 for v in values], 0.99), "n": len(values)}
+    return {
+        "p50": _pct([v * 1000 for v in values], 0.5),
+        "p99": _pct([v * 1000 for v in values], 0.99),
+        "n": len(values),
+    }
 
 
 def camera_frames(num_streams: int, seed: int = 0) -> list[list]:
@@ -66,8 +75,9 @@ def camera_frames(num_streams: int, seed: int = 0) -> list[list]:
     return [synthetic_frames(8, seed=seed + k) for k in range(num_streams)]
 
 
-def drive(llm, vision, workload: MixedWorkload, start_at: float | None = None, quiet: bool = True,
-          on_answer=None) -> MixedReport:  # fmt: skip
+def drive(
+    llm, vision, workload: MixedWorkload, start_at: float | None = None, quiet: bool = True, on_answer=None
+) -> MixedReport:
     """Play `workload`: LLM requests through `llm.submit_generate`, frames through
     `vision.submit_detect` (either may be None to play only the other half)."""
     from runtime.llm.sampling_params import SamplingParams
@@ -92,7 +102,9 @@ def drive(llm, vision, workload: MixedWorkload, start_at: float | None = None, q
                 if delay > 0 and stop.wait(delay):
                     return
                 messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
-                handles.append((i, time.monotonic(), llm.submit_generate(messages, params, deadline_s=w.llm_deadline_s)))
+                handles.append(
+                    (i, time.monotonic(), llm.submit_generate(messages, params, deadline_s=w.llm_deadline_s))
+                )
         except BaseException as exc:  # noqa: BLE001 - reported by drive()
             errors.append(exc)
 
@@ -124,8 +136,10 @@ def drive(llm, vision, workload: MixedWorkload, start_at: float | None = None, q
         time.sleep(delay)  # a shared start for two processes
     threads = [threading.Thread(target=llm_client, daemon=True)] if llm is not None else []
     if vision is not None:
-        threads += [threading.Thread(target=camera, args=(k, imgs), daemon=True)
-                    for k, imgs in enumerate(camera_frames(w.num_streams, w.seed))]  # fmt: skip
+        threads += [
+            threading.Thread(target=camera, args=(k, imgs), daemon=True)
+            for k, imgs in enumerate(camera_frames(w.num_streams, w.seed))
+        ]
     for th in threads:
         th.start()
     llm_end = None
@@ -156,7 +170,7 @@ def drive(llm, vision, workload: MixedWorkload, start_at: float | None = None, q
         report.llm = _llm_summary(handles, llm_end - t0, w.llm_deadline_s)
     if vision is not None:
         camera_s = min(end - t0, w.duration_s) if w.duration_s is not None else end - t0
-        report.vision = _vision_summary(frames, camera_s, w.frame_deadline_s)
+        report.vision = vision_summary(frames, camera_s, w.frame_deadline_s)
     return report
 
 
@@ -175,11 +189,17 @@ def _llm_summary(handles: list, wall: float, deadline_s: float) -> dict:
         itl.extend(m.inter_token_latencies)
         met += out.error is None and m.e2e_latency is not None and m.e2e_latency <= deadline_s
     n = len(handles)
-    return {"requests": n, "ttft_ms": _summary_ms(ttft), "itl_ms": _summary_ms(itl), "output_tokens": tokens,
-            "tokens_per_s": tokens / wall if wall else 0.0, "deadline_met": met / n if n else None}  # fmt: skip
+    return {
+        "requests": n,
+        "ttft_ms": _summary_ms(ttft),
+        "itl_ms": _summary_ms(itl),
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "deadline_met": met / n if n else None,
+    }
 
 
-def _vision_summary(frames: list, wall: float, deadline_s: float) -> dict:
+def vision_summary(frames: list, wall: float, deadline_s: float) -> dict:
     latency, met = [], 0
     stages: dict[str, list[float]] = {}
     for record, f in frames:
@@ -191,9 +211,14 @@ def _vision_summary(frames: list, wall: float, deadline_s: float) -> dict:
         for stage, ms in f.result().timings.items():
             stages.setdefault(stage, []).append(ms / 1000)
     n = len(frames)
-    return {"frames": n, "completed": len(latency), "latency_ms": _summary_ms(latency),
-            "stage_ms_p50": {k: _summary_ms(v)["p50"] for k, v in stages.items()},
-            "frames_per_s": len(latency) / wall if wall else 0.0, "deadline_met": met / n if n else None}  # fmt: skip
+    return {
+        "frames": n,
+        "completed": len(latency),
+        "latency_ms": _summary_ms(latency),
+        "stage_ms_p50": {k: _summary_ms(v)["p50"] for k, v in stages.items()},
+        "frames_per_s": len(latency) / wall if wall else 0.0,
+        "deadline_met": met / n if n else None,
+    }
 
 
 def share_met(report: MixedReport) -> float | None:
@@ -203,4 +228,3 @@ def share_met(report: MixedReport) -> float | None:
         report.vision.get("deadline_met") or 0
     ) * report.vision.get("frames", 0)
     return met / n if n else None
-

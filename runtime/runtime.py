@@ -9,7 +9,7 @@ One loop thread owns the device. Each time something arrives or finishes, it ask
 arbiter (schedulers/arbiter.py) whether the next due vision batch or the next LLM step goes,
 by deadline and predicted cost. The device has lanes: on a CPU one per core, on a GPU one.
 A vision batch runs on one lane (a single-threaded vision worker that takes due batches
-itself, runtime/vision_lane.py); an LLM step runs on the loop thread with every core. So on
+itself, runtime/vision/lane.py); an LLM step runs on the loop thread with every core. So on
 a CPU the two workloads run side by side, a frame never waits for an LLM step, and the only
 OpenMP pool is the loop thread's: never two pools competing. While a vision batch runs, its
 worker shares a core with one of the step's threads (measured cheaper than re-sizing the
@@ -32,8 +32,9 @@ import dataclasses
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from runtime.handles import GenerationHandle, RuntimeClosedError
 from runtime.llm.engine import EngineConfig, LLMEngine
@@ -85,10 +86,15 @@ class Runtime:
         vision_config = _config(VisionConfig, vision, "vision")
         if llm_config is None and vision_config is None:
             raise ValueError("Runtime needs llm, vision or both (each a config, a dict of its fields, or None)")
-        devices = {c.resolved_device() if isinstance(c, EngineConfig) else c.device
-                   for c in (llm_config, vision_config) if c is not None}  # fmt: skip
+        devices = {
+            c.resolved_device() if isinstance(c, EngineConfig) else c.device
+            for c in (llm_config, vision_config)
+            if c is not None
+        }
         if len(devices) > 1:
-            raise ValueError(f"llm.device and vision.device must name one device (one Runtime per device), got {devices}")
+            raise ValueError(
+                f"llm.device and vision.device must name one device (one Runtime per device), got {devices}"
+            )
         self.device = devices.pop()
         arbiter_config = _config(ArbiterConfig, arbiter, "arbiter")
         self.memory = memory or DeviceMemoryManager(MemoryConfig(device=self.device))
@@ -117,10 +123,15 @@ class Runtime:
         self.arbiter = Arbiter(arbiter_config)  # its lanes are known once vision is built
         try:
             if vision_config is not None:  # first: the KV pool is sized from what vision leaves
-                from runtime.vision_lane import VisionLane
+                from runtime.vision.lane import VisionLane
 
-                self.vision = VisionLane(vision_config, self.memory, self._cond, self._on_vision_batch,
-                                         lambda: self.arbiter.vision_lanes(self._llm_active))  # fmt: skip
+                self.vision = VisionLane(
+                    vision_config,
+                    self.memory,
+                    self._cond,
+                    self._on_vision_batch,
+                    lambda: self.arbiter.vision_lanes(self._llm_active),
+                )
                 self.arbiter.lanes = self.vision.workers
                 for size, seconds in self.vision.profile_costs():
                     self.arbiter.vision_cost.observe((size,), seconds)
@@ -161,7 +172,9 @@ class Runtime:
         ValueError here, naming the field. Iterate the handle for streamed outputs; its
         `result()` gives the final RequestOutput."""
         engine = self._require("llm")
-        prompt = engine.apply_chat_template(prompt_or_messages) if _is_messages(prompt_or_messages) else prompt_or_messages
+        prompt = (
+            engine.apply_chat_template(prompt_or_messages) if _is_messages(prompt_or_messages) else prompt_or_messages
+        )
         prepared = engine.prepare(prompt, sampling_params, request_id, priority, deadline_s)
         rid = prepared.request_id
         handle = GenerationHandle(rid, self._cancel_generate)
@@ -187,19 +200,26 @@ class Runtime:
             self._cond.notify_all()
         return future
 
+    def llm_load(self):
+        """The LLM scheduler's SchedulerStats now (queue depth, running, KV use); None without an LLM."""
+        if self.llm is None:
+            return None
+        with self._cond:
+            return self.llm.scheduler.stats()
+
     def stats(self) -> dict:
         """The memory budget by owner, queue depths, running counts, recent timings."""
         with self._cond:
             out: dict[str, Any] = {"memory": self.memory.stats(), "broken": self._broken}
             if self.llm is not None:
-                s = self.llm.scheduler
+                load = self.llm.scheduler.stats()
                 ms = sorted(self.step_ms)
+                usage = load.kv_cache_usage
                 out["llm"] = {
-                    "waiting": len(s.waiting) + len(getattr(s, "queue", ())),
-                    "running": len(s.running),
-                    "kv_cache_usage": round(s.table.pool.num_used_blocks / max(1, s.table.pool.num_blocks), 4)
-                    if hasattr(s, "table") else None,
-                    "preemptions": getattr(getattr(s, "table", None), "num_preemptions", 0),
+                    "waiting": load.num_waiting,
+                    "running": load.num_running,
+                    "kv_cache_usage": None if usage is None else round(usage, 4),
+                    "preemptions": load.num_preemptions,
                     "steps": self.llm.num_steps,
                     "failed_steps": self.llm.num_failed_steps,
                     "step_ms_p50": ms[len(ms) // 2] if ms else None,
@@ -221,17 +241,16 @@ class Runtime:
         gauges: dict[str, float] = {}
         with self._cond:
             if self.llm is not None:
-                s = self.llm.scheduler
-                gauges["num_requests_running"] = len(s.running)
-                gauges["num_requests_waiting"] = len(s.waiting) + len(getattr(s, "queue", ()))
-                table = getattr(s, "table", None)
-                if table is not None:
-                    gauges["kv_cache_usage_perc"] = table.pool.num_used_blocks / max(1, table.pool.num_blocks)
-                    # The table counts preemptions since start; the metric is a counter of them.
-                    self.metrics.add("num_preemptions", table.num_preemptions - self._num_preemptions)
-                    self._num_preemptions = table.num_preemptions
+                load = self.llm.scheduler.stats()
+                gauges["num_requests_running"] = load.num_running
+                gauges["num_requests_waiting"] = load.num_waiting
+                if load.kv_cache_usage is not None:
+                    gauges["kv_cache_usage_perc"] = load.kv_cache_usage
+                # The scheduler counts preemptions since start; the metric is a counter of them.
+                self.metrics.add("num_preemptions", load.num_preemptions - self._num_preemptions)
+                self._num_preemptions = load.num_preemptions
             if self.vision is not None:
-                gauges["vision_queue_depth"] = len(self.vision.scheduler.queue)
+                gauges["vision_queue_depth"] = self.vision.scheduler.stats().num_waiting
         return self.metrics.snapshot(gauges)
 
     def close(self, drain: bool = True, timeout: float | None = 120.0) -> None:
@@ -312,10 +331,9 @@ class Runtime:
             h._fail(error)
         loop = getattr(self, "_loop", None)
         if self.llm is not None and (loop is None or loop is threading.current_thread() or not loop.is_alive()):
-            for rid in list(self.llm._tracked):  # nobody steps the engine any more: free their blocks
-                self.llm.abort(rid, str(error), "runtime_closed")
+            self.llm.abort_all(str(error), "runtime_closed")  # nobody steps the engine any more: free their blocks
         elif self.llm is not None:
-            self._post(lambda: [self.llm.abort(rid, str(error), "runtime_closed") for rid in list(self.llm._tracked)])
+            self._post(lambda: self.llm.abort_all(str(error), "runtime_closed"))
 
     def _release(self) -> None:
         if self.vision is not None:

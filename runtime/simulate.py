@@ -45,7 +45,9 @@ class SimResult:
 
 def _run(scheduler, lengths: list[int], slots: int, name: str) -> SimResult:
     for i, n in enumerate(lengths):
-        scheduler.add_request(Request(f"r{i}", [1] * PROMPT_LEN, StopCriteria(max_tokens=n), arrival_time=float(i) * 1e-9))
+        scheduler.add_request(
+            Request(f"r{i}", [1] * PROMPT_LEN, StopCriteria(max_tokens=n), arrival_time=float(i) * 1e-9)
+        )
     steps = tokens = 0
     while scheduler.has_unfinished():
         plan = scheduler.schedule(1.0)

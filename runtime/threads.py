@@ -31,3 +31,26 @@ def settle_native_pools() -> None:
                 w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8), 1)
                 torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8), w, None, "none", [], "")
         _settled = True
+
+
+def run_in_thread(fn, threads: int | None, name: str = "tandem-setup"):
+    """fn() on a fresh thread with `threads` torch threads: the caller's thread count stays
+    its own, and with 1 thread no OpenMP pool is created."""
+    out: dict = {}
+
+    def run() -> None:
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            out["error"] = exc
+
+    t = threading.Thread(target=run, name=name)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

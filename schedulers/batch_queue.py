@@ -88,7 +88,9 @@ class BatchQueue:
                 level.remove(item)
                 del self._ids[item.request_id]
                 waited_ms = (now - item.arrival) * 1000.0
-                out.append((item, f"request {item.request_id!r} timed out after waiting {waited_ms:.1f} ms in the queue"))
+                out.append(
+                    (item, f"request {item.request_id!r} timed out after waiting {waited_ms:.1f} ms in the queue")
+                )
         return out
 
     def oldest_arrival(self) -> float | None:

@@ -16,7 +16,7 @@ import itertools
 from collections import deque
 
 from schedulers.config import SchedulerConfig
-from schedulers.interface import BlockAllocator
+from schedulers.interface import BlockAllocator, SchedulerStats
 from schedulers.plan import StepOutputs, StepPlan, StepResult
 from schedulers.request import Request, RequestStatus
 from schedulers.request_table import RequestTable
@@ -64,6 +64,21 @@ class WaitingQueue:
         return (e[3] for e in sorted(self._heap)) if self.by_priority else iter(self._deque)
 
 
+class _Step:
+    """What one `schedule()` call builds, handed to the helpers; dropped when the call returns
+    (only `scheduled` lives on, in `_planned`, for `update`). The single owner of the step's
+    token budget: `_allocate`, `_preempt` (which gives a victim's tokens back),
+    `_schedule_running` and `_admit_waiting` all read and change `budget` here."""
+
+    __slots__ = ("budget", "plan", "preempted", "scheduled")
+
+    def __init__(self, plan: StepPlan, budget: int) -> None:
+        self.plan = plan
+        self.scheduled: list[Request] = []  # plan order, for update (not sent to the runner)
+        self.budget = budget  # tokens still free this step
+        self.preempted = False  # a preemption happened: admit nobody this step
+
+
 class ContinuousBatchScheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockAllocator) -> None:
         self.config = config
@@ -103,19 +118,29 @@ class ContinuousBatchScheduler:
     def next_due(self, now: float = 0.0) -> float | None:
         return 0.0 if self.has_unfinished() else None
 
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def stats(self) -> SchedulerStats:
+        pool = self.table.pool
+        return SchedulerStats(
+            self.num_waiting(),
+            len(self.running),
+            self.table.num_preemptions,
+            pool.num_blocks - pool.num_free_blocks,
+            pool.num_blocks,
+        )
+
     def schedule(self, now: float = 0.0) -> StepPlan:
-        plan = StepPlan(freed_req_ids=self.table.take_freed())
-        self._scheduled: list[Request] = []  # plan order, for update (not sent to the runner)
-        self._budget = self.config.max_num_batched_tokens
-        self._preempted = False
+        step = _Step(StepPlan(freed_req_ids=self.table.take_freed()), self.config.max_num_batched_tokens)
         preemptions_before = self.table.num_preemptions
-        self._schedule_running(plan)
-        if not self._preempted:  # admitting now would only feed the next preemption
-            self._admit_waiting(plan)
+        self._schedule_running(step)
+        if not step.preempted:  # admitting now would only feed the next preemption
+            self._admit_waiting(step)
         self.num_steps += 1
-        self._planned = {id(plan): self._scheduled}
+        self._planned = {id(step.plan): step.scheduled}
         self._step_preemptions = self.table.num_preemptions - preemptions_before
-        return plan
+        return step.plan
 
     def update(self, plan: StepPlan, result: StepResult) -> StepOutputs:
         out = StepOutputs(plan.req_ids, result.sampled_token_ids)
@@ -130,70 +155,86 @@ class ContinuousBatchScheduler:
 
     # ---- policy --------------------------------------------------------------------------------
 
-    def _schedule_running(self, plan: StepPlan) -> None:
+    def _schedule_running(self, step: _Step) -> None:
         running_status = RequestStatus.RUNNING
         bs = self.table.block_size
-        scheduled = self._scheduled
+        plan, scheduled = step.plan, step.scheduled
         prefilling: list[Request] = []
-        # The decode loop runs once per running request per step: plain appends, no calls on
-        # the common path (a new block is needed once every block_size steps).
+        # The decode loop runs once per running request per step, so it is kept to plain local
+        # appends and a local `budget`. That local IS the step's budget while the inner loop
+        # runs (nothing else can read or change the budget meanwhile). The inner loop leaves
+        # only for the rare path: a request that needs a new block (once every block_size
+        # steps) or must be sent to the runner in full. The one write-back below hands the
+        # budget to `step` first; the rare path then works on `step.budget` alone (`_allocate`
+        # and `_preempt`, which gives a victim's tokens back, change it), and the next run of
+        # the inner loop takes it up again, going on through the same snapshot.
         add_id, add_num, add_computed, add_sample = (
-            plan.req_ids.append, plan.num_scheduled_tokens.append, plan.num_computed_tokens.append, plan.sample.append
+            plan.req_ids.append,
+            plan.num_scheduled_tokens.append,
+            plan.num_computed_tokens.append,
+            plan.sample.append,
         )
-        budget = self._budget
-        for req in list(self.running):  # a snapshot: preemption edits self.running
-            if budget <= 0:
-                break
-            if req.status is not running_status:
-                continue  # preempted earlier in this loop
-            computed = req.num_computed_tokens
-            if len(req.token_ids) - computed != 1:
-                prefilling.append(req)
-                continue
-            if computed >= len(req.block_ids) * bs or req.needs_full_state:
-                self._budget = budget
-                if not self._allocate(plan, req, 1):
-                    budget = self._budget
+        snapshot = iter(list(self.running))  # a snapshot: preemption edits self.running
+        while True:
+            budget = step.budget
+            rare = None
+            for req in snapshot:
+                if budget <= 0:
+                    break
+                if req.status is not running_status:
+                    continue  # preempted earlier in this loop
+                computed = req.num_computed_tokens
+                if len(req.token_ids) - computed != 1:
+                    prefilling.append(req)
                     continue
-                budget = self._budget
-                if req.needs_full_state:
-                    self.table.add_to_plan(plan, req, 1)
-                    scheduled.append(req)
-                    budget -= 1
-                    continue
-            add_id(req.request_id)
-            add_num(1)
-            add_computed(computed)
-            add_sample(True)
-            scheduled.append(req)
-            budget -= 1
-        self._budget = budget
+                if computed >= len(req.block_ids) * bs or req.needs_full_state:
+                    rare = req
+                    break
+                add_id(req.request_id)
+                add_num(1)
+                add_computed(computed)
+                add_sample(True)
+                scheduled.append(req)
+                budget -= 1
+            step.budget = budget  # the one write-back (see above)
+            if rare is None:
+                break  # the snapshot is done, or the budget is
+            if self._allocate(step, rare, 1):  # False: `rare` itself was preempted
+                if rare.needs_full_state:
+                    self.table.add_to_plan(plan, rare, 1)
+                else:  # the inner loop's appends (cheaper than add_to_plan, same columns)
+                    add_id(rare.request_id)
+                    add_num(1)
+                    add_computed(rare.num_computed_tokens)
+                    add_sample(True)
+                scheduled.append(rare)
+                step.budget -= 1
         threshold = self.config.long_prefill_token_threshold
         for req in prefilling:
-            if self._budget <= 0:
+            if step.budget <= 0:
                 break
             if req.status is not running_status:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, self._budget)
+            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
             if threshold:
                 n = min(n, threshold)
-            if self._allocate(plan, req, n):
+            if self._allocate(step, req, n):
                 self.table.add_to_plan(plan, req, n)
                 scheduled.append(req)
-                self._budget -= n
+                step.budget -= n
 
-    def _allocate(self, plan: StepPlan, req: Request, num_new: int) -> bool:
+    def _allocate(self, step: _Step, req: Request, num_new: int) -> bool:
         """Blocks for `num_new` more tokens of `req`, preempting others if the pool is dry;
         False if `req` itself had to be preempted."""
         new = self.table.grow(req, num_new)
         while new is None:
             victim = self._pick_victim()
-            self._preempt(plan, victim)
+            self._preempt(step, victim)
             if victim is req:
                 return False
             new = self.table.grow(req, num_new)
         if new and not req.needs_full_state:  # the runner holds its table: send the diff
-            plan.new_block_ids[req.request_id] = new
+            step.plan.new_block_ids[req.request_id] = new
         return True
 
     def _pick_victim(self) -> Request:
@@ -201,31 +242,39 @@ class ContinuousBatchScheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return max(self.running, key=lambda r: r.arrival_time)
 
-    def _preempt(self, plan: StepPlan, victim: Request) -> None:
+    def _preempt(self, step: _Step, victim: Request) -> None:
         self.running.remove(victim)
+        plan = step.plan
         rid = victim.request_id
         if rid in plan.req_ids:  # scheduled earlier this step: take it back out
             i = plan.req_ids.index(rid)
-            self._budget += plan.num_scheduled_tokens[i]
-            for column in (plan.req_ids, plan.num_scheduled_tokens, plan.num_computed_tokens, plan.sample, self._scheduled):
+            step.budget += plan.num_scheduled_tokens[i]
+            for column in (
+                plan.req_ids,
+                plan.num_scheduled_tokens,
+                plan.num_computed_tokens,
+                plan.sample,
+                step.scheduled,
+            ):
                 del column[i]
             plan.new_block_ids.pop(rid, None)
             plan.new_requests = [r for r in plan.new_requests if r.request_id != rid]
         self.table.preempt(victim)
         self.waiting.push_front(victim)
-        self._preempted = True
+        step.preempted = True
 
-    def _admit_waiting(self, plan: StepPlan) -> None:
+    def _admit_waiting(self, step: _Step) -> None:
         table, waiting, running = self.table, self.waiting, self.running
+        plan, scheduled = step.plan, step.scheduled
         max_seqs = self.config.max_num_seqs
         threshold = self.config.long_prefill_token_threshold
-        while len(waiting) and len(running) < max_seqs and self._budget > 0:
+        while len(waiting) and len(running) < max_seqs and step.budget > 0:
             req = waiting.peek()
-            n = table.admit(req, min(self._budget, threshold) if threshold else self._budget)
+            n = table.admit(req, min(step.budget, threshold) if threshold else step.budget)
             if n == 0:
                 break  # not enough free blocks: wait for running requests to finish
             waiting.pop()
             running.append(req)
             table.add_to_plan(plan, req, n)
-            self._scheduled.append(req)
-            self._budget -= n
+            scheduled.append(req)
+            step.budget -= n

@@ -10,6 +10,7 @@ from typing import Any
 
 from schedulers.batch_queue import BatchQueue, QueuedItem
 from schedulers.config import DynamicBatchConfig
+from schedulers.interface import SchedulerStats
 from schedulers.plan import Batch
 
 
@@ -39,13 +40,14 @@ class DynamicBatchScheduler:
     def next_due(self, now: float) -> float | None:
         return self.queue.next_due(now)
 
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(num_waiting=len(self.queue), num_running=len(self.in_flight))
+
     def schedule(self, now: float) -> Batch:
         """The batch due now (possibly empty), with any requests that timed out meanwhile."""
         rejected = {item.request_id: msg for item, msg in self.queue.expire(now)}
         items = self.queue.pop_batch(self.queue.release_size(now))
-        batch = Batch(
-            [i.request_id for i in items], [i.payload for i in items], [i.priority for i in items], rejected
-        )
+        batch = Batch([i.request_id for i in items], [i.payload for i in items], [i.priority for i in items], rejected)
         if items:
             self.in_flight.update(batch.request_ids)
             self.batch_sizes.append(batch.size)

@@ -11,7 +11,9 @@ either scheduler, so the continuous, static and vision schedulers are interchang
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 class BlockAllocator(Protocol):
@@ -49,6 +51,25 @@ class BlockAllocator(Protocol):
         its `hashes` as needed; blocks [0, start) were entered (or hit) before."""
 
 
+@dataclass(slots=True, frozen=True)
+class SchedulerStats:
+    """How loaded a scheduler is now, as plain numbers (the Runtime's `stats()`, /metrics and
+    the server's queue limit read it; nobody reaches into a scheduler's queues)."""
+
+    num_waiting: int  # accepted, not yet running (queued, or preempted and re-queued)
+    num_running: int  # running now (LLM), or in a batch being computed (vision)
+    num_preemptions: int = 0  # since start
+    kv_blocks_used: int | None = None  # None: this scheduler holds no KV blocks (vision)
+    kv_blocks_total: int | None = None
+
+    @property
+    def kv_cache_usage(self) -> float | None:
+        """The share of the KV pool in use, in [0, 1]; None without a pool."""
+        if self.kv_blocks_used is None or not self.kv_blocks_total:
+            return None
+        return self.kv_blocks_used / self.kv_blocks_total
+
+
 class Scheduler(Protocol):
     def add_request(self, request: Any) -> None:
         """Queue a request; raises ValueError (naming the field) if it can never run."""
@@ -66,3 +87,6 @@ class Scheduler(Protocol):
         """Take the runner's result for `plan`; return what changed and what finished."""
 
     def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> SchedulerStats:
+        """Queue depth, running count and KV use, now."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from schedulers.interface import BlockAllocator
 from schedulers.plan import NewRequestData, StepOutputs, StepPlan, StepResult
-from schedulers.request import FINISH_REASONS, Request, RequestStatus
+from schedulers.request import Request, RequestStatus
 
 
 class RequestTable:
@@ -118,7 +118,12 @@ class RequestTable:
         if req.needs_full_state:
             plan.new_requests.append(
                 NewRequestData(
-                    req.request_id, list(req.token_ids), list(req.block_ids), computed, req.num_prompt_tokens, req.sampling
+                    req.request_id,
+                    list(req.token_ids),
+                    list(req.block_ids),
+                    computed,
+                    req.num_prompt_tokens,
+                    req.sampling,
                 )
             )
             req.needs_full_state = False
@@ -152,4 +157,3 @@ class RequestTable:
         self.pool.publish_blocks(req.token_ids, req.block_ids, req.block_hashes, req.num_published_blocks, upto)
         req.num_published_blocks = upto
         req.next_publish_at = (upto + 1) * self.block_size
-

@@ -20,13 +20,13 @@ class StaticBatchScheduler(ContinuousBatchScheduler):
     """Reuses the continuous scheduler's step mechanics (chunks, blocks, preemption within the
     group) and replaces only its admission: nobody joins a group once it has started."""
 
-    def __init__(self, config: SchedulerConfig, pool: BlockAllocator, batching: DynamicBatchConfig | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, pool: BlockAllocator, batching: DynamicBatchConfig | None = None
+    ) -> None:
         super().__init__(config, pool)
         b = batching or DynamicBatchConfig(max_batch_size=config.max_num_seqs, max_queue_delay_ms=0.0)
         if b.max_batch_size > config.max_num_seqs:
-            raise ValueError(
-                f"max_batch_size ({b.max_batch_size}) must be <= max_num_seqs ({config.max_num_seqs})"
-            )
+            raise ValueError(f"max_batch_size ({b.max_batch_size}) must be <= max_num_seqs ({config.max_num_seqs})")
         self.batching = b
         self.queue = BatchQueue(b)
         self.group_sizes: list[int] = []
@@ -49,6 +49,9 @@ class StaticBatchScheduler(ContinuousBatchScheduler):
 
     def has_unfinished(self) -> bool:
         return super().has_unfinished() or len(self.queue) > 0
+
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.queue)  # re-queued by preemption, and not yet grouped
 
     def next_due(self, now: float = 0.0) -> float | None:
         if super().has_unfinished():

@@ -37,7 +37,9 @@ class MjpegServer:
     def __init__(self, frames: list[np.ndarray] | None = None, fps: float = 15.0, stall: bool = False) -> None:
         if fps <= 0:
             raise ValueError(f"fps must be > 0, got {fps!r}")
-        jpegs = [cv2.imencode(".jpg", f, [cv2.IMWRITE_JPEG_QUALITY, 85])[1].tobytes() for f in frames or synthetic_frames()]
+        jpegs = [
+            cv2.imencode(".jpg", f, [cv2.IMWRITE_JPEG_QUALITY, 85])[1].tobytes() for f in frames or synthetic_frames()
+        ]
         self.frames_sent = 0
         self._stop = threading.Event()
         server = self
@@ -60,8 +62,9 @@ class MjpegServer:
                         data = jpegs[i % len(jpegs)]
                         self.wfile.write(
                             f"--{BOUNDARY}\r\nContent-Type: image/jpeg\r\nContent-Length: {len(data)}\r\n\r\n".encode()
-                            + data + b"\r\n"
-                        )  # fmt: skip
+                            + data
+                            + b"\r\n"
+                        )
                         server.frames_sent += 1
                         i += 1
                         next_t += period
@@ -82,7 +85,7 @@ class MjpegServer:
         self._httpd.server_close()
         self._thread.join(timeout=5)
 
-    def __enter__(self) -> "MjpegServer":
+    def __enter__(self) -> MjpegServer:
         return self
 
     def __exit__(self, *exc) -> None:

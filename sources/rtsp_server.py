@@ -137,8 +137,14 @@ def rtp_jpeg_packets(frame: JpegScan, seq: int, timestamp: int, ssrc: int) -> li
     for offset in range(0, len(scan), MAX_SCAN_BYTES):
         chunk = scan[offset : offset + MAX_SCAN_BYTES]
         last = offset + MAX_SCAN_BYTES >= len(scan)
-        rtp = struct.pack("!BBHII", 0x80, (0x80 if last else 0) | PAYLOAD_TYPE, (seq + len(packets)) & 0xFFFF,
-                          timestamp & 0xFFFFFFFF, ssrc)  # fmt: skip
+        rtp = struct.pack(
+            "!BBHII",
+            0x80,
+            (0x80 if last else 0) | PAYLOAD_TYPE,
+            (seq + len(packets)) & 0xFFFF,
+            timestamp & 0xFFFFFFFF,
+            ssrc,
+        )
         # type-specific 0, fragment offset, Type 1 (4:2:0), Q 255 (tables in band), size in 8-pixel blocks
         jpeg = struct.pack("!I4B", offset, 1, 255, frame.width // 8, frame.height // 8)
         if offset == 0:  # Q >= 128: the tables come with the first fragment of every frame
@@ -189,8 +195,13 @@ class FrameClock:
 
 
 # -- RTSP --------------------------------------------------------------------------------------
-REASONS = {200: "OK", 404: "Not Found", 455: "Method Not Valid in This State", 461: "Unsupported Transport",
-           501: "Not Implemented"}  # fmt: skip
+REASONS = {
+    200: "OK",
+    404: "Not Found",
+    455: "Method Not Valid in This State",
+    461: "Unsupported Transport",
+    501: "Not Implemented",
+}
 
 
 class Session:
@@ -266,8 +277,11 @@ class Session:
                     b = int(hi) if hi else a + 1
             self.channel = a
             self.session_id = self.session_id or f"{random.getrandbits(48):012x}"
-            self.respond(cseq, 200, {"Transport": f"RTP/AVP/TCP;unicast;interleaved={a}-{b}",
-                                     "Session": f"{self.session_id};timeout=60"})  # fmt: skip
+            self.respond(
+                cseq,
+                200,
+                {"Transport": f"RTP/AVP/TCP;unicast;interleaved={a}-{b}", "Session": f"{self.session_id};timeout=60"},
+            )
         elif method == "PLAY":
             if not self.session_id:
                 self.respond(cseq, 455)
@@ -337,7 +351,7 @@ def read_request(reader) -> tuple[str, str, dict[str, str]] | None:
         if len(parts) != 3 or not parts[2].startswith("RTSP/"):
             raise ValueError(f"not an RTSP request line: {parts}")
         headers: dict[str, str] = {}
-        while (line := reader.readline(8192).decode("latin-1").strip()):
+        while line := reader.readline(8192).decode("latin-1").strip():
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
         length = int(headers.get("content-length", "0") or 0)
@@ -358,11 +372,20 @@ class CameraServer(socketserver.ThreadingTCPServer):
         self.clock = FrameClock(width, height, fps)
 
     def sdp(self) -> str:
-        return "\r\n".join([
-            "v=0", f"o=- {self.sdp_id} 1 IN IP4 127.0.0.1", "s=Tandem test camera", "c=IN IP4 0.0.0.0", "t=0 0",
-            f"m=video 0 RTP/AVP {PAYLOAD_TYPE}", "a=control:track0", f"a=framerate:{self.fps}",
-            f"a=rtpmap:{PAYLOAD_TYPE} JPEG/{CLOCK_HZ}", "",
-        ])  # fmt: skip
+        return "\r\n".join(
+            [
+                "v=0",
+                f"o=- {self.sdp_id} 1 IN IP4 127.0.0.1",
+                "s=Tandem test camera",
+                "c=IN IP4 0.0.0.0",
+                "t=0 0",
+                f"m=video 0 RTP/AVP {PAYLOAD_TYPE}",
+                "a=control:track0",
+                f"a=framerate:{self.fps}",
+                f"a=rtpmap:{PAYLOAD_TYPE} JPEG/{CLOCK_HZ}",
+                "",
+            ]
+        )
 
 
 class Handler(socketserver.BaseRequestHandler):
@@ -446,8 +469,16 @@ class RtspCamera:
     serves on the same port. `port=0`: a free one, chosen at the first start.
     """
 
-    def __init__(self, port: int = 0, path: str = "cam", width: int = 320, height: int = 240, fps: int = 15,
-                 python: str = sys.executable, start_timeout_s: float = 20.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        port: int = 0,
+        path: str = "cam",
+        width: int = 320,
+        height: int = 240,
+        fps: int = 15,
+        python: str = sys.executable,
+        start_timeout_s: float = 20.0,
+    ) -> None:
         self.port, self.path, self.width, self.height, self.fps = port, path, width, height, fps
         self.python, self.start_timeout_s = python, start_timeout_s
         self.starts = 0
@@ -468,9 +499,24 @@ class RtspCamera:
             return self.url
         if not self.port:
             self.port = _free_port()
-        cmd = [self.python, "-m", "sources.rtsp_server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--path", self.path, "--width", str(self.width), "--height", str(self.height),
-               "--fps", str(self.fps), "--stop-on-eof"]  # fmt: skip
+        cmd = [
+            self.python,
+            "-m",
+            "sources.rtsp_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--path",
+            self.path,
+            "--width",
+            str(self.width),
+            "--height",
+            str(self.height),
+            "--fps",
+            str(self.fps),
+            "--stop-on-eof",
+        ]
         # From the directory that holds the `sources` package, `-m` finds it installed or not
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         err = tempfile.TemporaryFile()

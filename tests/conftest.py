@@ -13,14 +13,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The Triton kernels' tests run on CPU in Triton's interpreter. The flag must be set before
 # anything imports triton: triton.language's own helpers (tl.zeros, tl.sum, ...) are decorated
 # once, at import, for the mode the flag names then.
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Test modules import Ultralytics at collection; without this, its OMP_NUM_THREADS=1 default
 # would make every torch op of the session single-threaded.
-from runtime.vision.ultralytics_import import import_ultralytics  # noqa: E402
+from runtime.vision.ultralytics_import import import_ultralytics
 
 import_ultralytics()
 
@@ -40,10 +40,19 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, initializer_range=0.1,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        initializer_range=0.1,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     out = tmp_path_factory.mktemp("tiny-llama")

@@ -29,8 +29,9 @@ BAD_IDS = [1_000_000, 2**70]
 
 
 def _config(model: str) -> EngineConfig:
-    return EngineConfig(model=model, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=256,
-                        max_model_len=256)  # fmt: skip
+    return EngineConfig(
+        model=model, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256
+    )
 
 
 @pytest.fixture(scope="module")

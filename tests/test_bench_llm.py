@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.llm import bench
+from benchmarks import llm as bench
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 49152
@@ -81,8 +81,17 @@ def _run(seconds, asked, produced, ttft=None, steps=None, running=None, kv=None)
 
 
 def test_summary_counts_only_asked_tokens_and_reads_steps_kv_and_ttft():
-    s = bench.summarize_run(_run(2.0, [10, 20, 30], [10, 25, 20], ttft=[0.1, 0.2, 0.3], steps=4,
-                                 running=[3, 3, 2, 1], kv=[0.1, 0.3, 0.2, 0.0]))  # fmt: skip
+    s = bench.summarize_run(
+        _run(
+            2.0,
+            [10, 20, 30],
+            [10, 25, 20],
+            ttft=[0.1, 0.2, 0.3],
+            steps=4,
+            running=[3, 3, 2, 1],
+            kv=[0.1, 0.3, 0.2, 0.0],
+        )
+    )
     assert s["asked_tokens"] == 60 and s["useful_tokens"] == 10 + 20 + 20 and s["produced_tokens"] == 55
     assert s["tokens_per_s"] == pytest.approx(25.0)
     assert s["steps"] == 4 and s["ms_per_step"] == pytest.approx(500.0) and s["mean_running"] == pytest.approx(2.25)
@@ -99,14 +108,22 @@ def test_summary_leaves_missing_step_figures_as_none_rather_than_guessing():
 
 def test_ratios_pair_contestants_of_the_same_dtype_and_trace():
     def row(dtype, trace, name, tps, steps, ttft):
-        return {"dtype": dtype, "trace": trace, "contestant": name, "tokens_per_s": tps, "steps": steps,
-                "ttft_p50_ms": ttft}  # fmt: skip
+        return {
+            "dtype": dtype,
+            "trace": trace,
+            "contestant": name,
+            "tokens_per_s": tps,
+            "steps": steps,
+            "ttft_p50_ms": ttft,
+        }
 
-    rows = [row("bfloat16", "short", bench.CONTINUOUS, 200.0, 100, 50.0),
-            row("bfloat16", "short", bench.STATIC, 100.0, 250, 400.0),
-            row("bfloat16", "short", bench.VLLM, 160.0, 120, 40.0),
-            row("float32", "short", bench.CONTINUOUS, 90.0, 100, 80.0),
-            {"dtype": "float32", "trace": "short", "contestant": bench.STATIC, "error": "crashed"}]  # fmt: skip
+    rows = [
+        row("bfloat16", "short", bench.CONTINUOUS, 200.0, 100, 50.0),
+        row("bfloat16", "short", bench.STATIC, 100.0, 250, 400.0),
+        row("bfloat16", "short", bench.VLLM, 160.0, 120, 40.0),
+        row("float32", "short", bench.CONTINUOUS, 90.0, 100, 80.0),
+        {"dtype": "float32", "trace": "short", "contestant": bench.STATIC, "error": "crashed"},
+    ]
     by = {(q["dtype"], q["trace"]): q for q in bench.compute_ratios(rows)}
     bf = by[("bfloat16", "short")]
     assert bf["continuous_over_vllm"] == pytest.approx(1.25)
@@ -129,13 +146,22 @@ def test_rows_of_a_crashed_contestant_keep_its_finished_traces_and_error_the_res
 # ---------------------------------------------------------------- arguments and logs
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--traces", "short,medium"], "--traces"), (["--traces", ""], "--traces"),
-    (["--traces", "short,short"], "--traces"),
-    (["--dtypes", "float16"], "--dtypes"), (["--num-requests", "0"], "--num-requests"), (["--rate", "0"], "--rate"),
-    (["--rate", "inf"], "--rate"), (["--slots", "0"], "--slots"), (["--kv-cache-gib", "0.5"], "--kv-cache-gib"),
-    (["--max-model-len", "1024"], "--max-model-len"), (["--timeout", "0"], "--timeout"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--traces", "short,medium"], "--traces"),
+        (["--traces", ""], "--traces"),
+        (["--traces", "short,short"], "--traces"),
+        (["--dtypes", "float16"], "--dtypes"),
+        (["--num-requests", "0"], "--num-requests"),
+        (["--rate", "0"], "--rate"),
+        (["--rate", "inf"], "--rate"),
+        (["--slots", "0"], "--slots"),
+        (["--kv-cache-gib", "0.5"], "--kv-cache-gib"),
+        (["--max-model-len", "1024"], "--max-model-len"),
+        (["--timeout", "0"], "--timeout"),
+    ],
+)
 def test_bad_arguments_are_refused_with_the_flag_named(argv, words):
     assert words in bench.validate_args(_args(*argv))
 
@@ -148,9 +174,11 @@ def test_good_arguments_pass_and_quick_traces_fit_a_small_max_model_len():
 
 def test_log_tail_leaves_progress_bars_out(tmp_path):
     log = tmp_path / "c.log"
-    log.write_bytes(b"loading\n\rshort:  10%|#   | 1/10 [00:01<00:09, 1.00req/s]\r"
-                    b"short:  20%|##  | 2/10 [00:02<00:08, 1.00req/s]\rTraceback (most recent call last):\n"
-                    b"RuntimeError: boom\n")  # fmt: skip
+    log.write_bytes(
+        b"loading\n\rshort:  10%|#   | 1/10 [00:01<00:09, 1.00req/s]\r"
+        b"short:  20%|##  | 2/10 [00:02<00:08, 1.00req/s]\rTraceback (most recent call last):\n"
+        b"RuntimeError: boom\n"
+    )
     assert bench.log_tail(log).splitlines() == ["loading", "Traceback (most recent call last):", "RuntimeError: boom"]
 
 
@@ -182,9 +210,31 @@ def test_a_crashing_contestant_becomes_an_error_with_the_end_of_its_log(tmp_path
 def test_quick_run_measures_both_tandem_schedulers_in_their_own_processes(tmp_path, tiny_llama_dir):
     out = tmp_path / "bench"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "runtime.cli", "bench", "llm", "--quick", "--no-vllm", "--dtypes", "float32",
-           "--traces", "short,poisson", "--num-requests", "3", "--rate", "50", "--kv-cache-gib", "1",
-           "--model", tiny_llama_dir, "--max-model-len", "512", "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem",
+        "bench",
+        "llm",
+        "--quick",
+        "--no-vllm",
+        "--dtypes",
+        "float32",
+        "--traces",
+        "short,poisson",
+        "--num-requests",
+        "3",
+        "--rate",
+        "50",
+        "--kv-cache-gib",
+        "1",
+        "--model",
+        tiny_llama_dir,
+        "--max-model-len",
+        "512",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "llm.json").read_text())
@@ -194,7 +244,7 @@ def test_quick_run_measures_both_tandem_schedulers_in_their_own_processes(tmp_pa
     asked = {t: sum(r["max_tokens"] for r in traces["traces"][t]["requests"]) for t in ("short", "poisson")}
     rows = {(r["contestant"], r["trace"]): r for r in report["rows"]}
     assert set(rows) == {(c, t) for c in (bench.CONTINUOUS, bench.STATIC) for t in ("short", "poisson")}
-    for (name, trace), r in rows.items():
+    for (_name, trace), r in rows.items():
         assert "error" not in r, r
         assert r["num_requests"] == 3
         assert r["tokens_per_s"] > 0 and r["steps"] > 0 and r["mean_running"] > 0 and r["kv_peak"] > 0

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from workers import bench_serve as bs
+from benchmarks import serve as bs
 
 
 class FakeOpenAI:
@@ -21,8 +21,15 @@ class FakeOpenAI:
     open at once. `empty_first` sends an empty-text chunk at once (it must not count as the
     first token); `usage=False` leaves the usage chunk out; a body that `reject` accepts gets a 400."""
 
-    def __init__(self, first_s=0.05, gap_s=0.005, usage=True, empty_first=False, models=("fake-model",),
-                 reject=lambda body: body["prompt"][0] == 0):  # fmt: skip
+    def __init__(
+        self,
+        first_s=0.05,
+        gap_s=0.005,
+        usage=True,
+        empty_first=False,
+        models=("fake-model",),
+        reject=lambda body: body["prompt"][0] == 0,
+    ):
         self.first_s, self.gap_s, self.usage, self.empty_first, self.models = first_s, gap_s, usage, empty_first, models
         self.reject = reject
         self.bodies: list[dict] = []
@@ -63,8 +70,12 @@ class FakeOpenAI:
                     self.wfile.write(f"data: {data}\n\n".encode())
                     self.wfile.flush()
 
-                chunk = lambda text: {"id": "cmpl-1", "object": "text_completion", "model": body["model"],  # noqa: E731
-                                      "choices": [{"index": 0, "text": text, "finish_reason": None}]}  # fmt: skip
+                chunk = lambda text: {  # noqa: E731 - a one-line builder, local to this handler
+                    "id": "cmpl-1",
+                    "object": "text_completion",
+                    "model": body["model"],
+                    "choices": [{"index": 0, "text": text, "finish_reason": None}],
+                }
                 if fake.empty_first:
                     send(chunk(""))
                 self.wfile.write(b": keep-alive comment\n\n")
@@ -75,8 +86,13 @@ class FakeOpenAI:
                     send(chunk(f" t{i}"))
                 if fake.usage:
                     n, p = body["max_tokens"], len(body["prompt"])
-                    send({"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": n,
-                                                                   "total_tokens": p + n}})  # fmt: skip
+                    send(
+                        {
+                            "id": "cmpl-1",
+                            "choices": [],
+                            "usage": {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n},
+                        }
+                    )
                 send("[DONE]")
 
             def _json(self, status, obj):
@@ -139,8 +155,20 @@ def test_arrival_offsets_poisson_and_unbounded():
 
 def test_sse_decoder_events_comments_and_multiline_data():
     d = bs.SSEDecoder()
-    lines = [": comment", 'data: {"a": 1}', "", "event: x", "data:no-space", "", "data: one", "data: two", "\r\n",
-             "", "data: [DONE]", ""]  # fmt: skip
+    lines = [
+        ": comment",
+        'data: {"a": 1}',
+        "",
+        "event: x",
+        "data:no-space",
+        "",
+        "data: one",
+        "data: two",
+        "\r\n",
+        "",
+        "data: [DONE]",
+        "",
+    ]
     events = [e for line in lines if (e := d.feed(line)) is not None]
     assert events == ['{"a": 1}', "no-space", "one\ntwo", "[DONE]"]
     d.feed("data: tail")
@@ -212,19 +240,38 @@ def test_wait_ready_picks_listed_model_and_reports_a_dead_process(tmp_path):
         assert bs.Server("fake", fake.url).wait_ready(5, prefer="absent") == "other"
     cmd = [sys.executable, "-c", "import sys; print('loading'); print('boom: no model', flush=True); sys.exit(3)"]
     proc = bs._Process("dying server", cmd, tmp_path / "dying.log")
-    server = bs.Server("fake", f"http://127.0.0.1:{bs._free_port()}", [proc])
+    server = bs.Server("fake", f"http://127.0.0.1:{bs.free_port()}", [proc])
     with pytest.raises(bs.ServerFailed, match=r"(?s)dying server exited with 3.*boom: no model"):
         server.wait_ready(30)
     server.stop()
 
 
 def test_run_bench_serve_against_a_running_server_writes_json_and_plot(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(bs, "_model_dir", lambda model: (str(tmp_path), 5000))
+    monkeypatch.setattr(bs, "model_dir", lambda model: (str(tmp_path), 5000))
     out = tmp_path / "out"
     with FakeOpenAI(first_s=0.01, gap_s=0.001, models=("SmolLM2-135M-Instruct",)) as fake:
-        rc = bs.main(["--tandem-url", fake.url, "--vllm-url", fake.url, "--num-prompts", "6", "--input-len", "16",
-                      "--output-len", "4", "--ttft-rate", "50", "--num-warmup", "2", "--repeats", "2",
-                      "--out", str(out)])  # fmt: skip
+        rc = bs.main(
+            [
+                "--tandem-url",
+                fake.url,
+                "--vllm-url",
+                fake.url,
+                "--num-prompts",
+                "6",
+                "--input-len",
+                "16",
+                "--output-len",
+                "4",
+                "--ttft-rate",
+                "50",
+                "--num-warmup",
+                "2",
+                "--repeats",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
     assert rc == 0
     report = json.loads((out / "serve.json").read_text(), parse_constant=lambda c: pytest.fail(c))  # strict JSON
     assert [r["name"] for r in report["servers"]] == ["tandem", "vllm"] and report["request_rate"] == "inf"
@@ -268,12 +315,31 @@ def test_launcher_patches_vllm_version_only():
 def test_a_server_that_fails_to_start_exits_1_with_its_log(tmp_path, monkeypatch, capsys):
     """The project's own Python has no vLLM: the launcher starts and dies on the import, and
     the run says so with the log's last lines, after writing what it measured."""
-    monkeypatch.setattr(bs, "_model_dir", lambda model: (str(tmp_path), 5000))
+    monkeypatch.setattr(bs, "model_dir", lambda model: (str(tmp_path), 5000))
     out = tmp_path / "out"
     with FakeOpenAI(first_s=0.0, gap_s=0.0) as fake:
-        rc = bs.main(["--tandem-url", fake.url, "--vllm-python", sys.executable, "--num-prompts", "2",
-                      "--input-len", "4", "--output-len", "2", "--ttft-rate", "50", "--num-warmup", "0",
-                      "--startup-timeout", "60", "--out", str(out)])  # fmt: skip
+        rc = bs.main(
+            [
+                "--tandem-url",
+                fake.url,
+                "--vllm-python",
+                sys.executable,
+                "--num-prompts",
+                "2",
+                "--input-len",
+                "4",
+                "--output-len",
+                "2",
+                "--ttft-rate",
+                "50",
+                "--num-warmup",
+                "0",
+                "--startup-timeout",
+                "60",
+                "--out",
+                str(out),
+            ]
+        )
     assert rc == 1
     err = capsys.readouterr().err
     assert "vllm serve exited with" in err and "vllm-serve.log" in err and "ModuleNotFoundError" in err
@@ -284,9 +350,20 @@ def test_a_server_that_fails_to_start_exits_1_with_its_log(tmp_path, monkeypatch
 def test_a_server_that_fails_every_request(tmp_path, monkeypatch, capsys):
     """No warm-up: the run goes through, counts the failures and still writes strict JSON
     (null for the percentiles of nothing). With a warm-up, it stops before measuring."""
-    monkeypatch.setattr(bs, "_model_dir", lambda model: (str(tmp_path), 5000))
-    flags = ["--skip-vllm", "--num-prompts", "3", "--input-len", "4", "--output-len", "2", "--ttft-rate", "50",
-             "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(bs, "model_dir", lambda model: (str(tmp_path), 5000))
+    flags = [
+        "--skip-vllm",
+        "--num-prompts",
+        "3",
+        "--input-len",
+        "4",
+        "--output-len",
+        "2",
+        "--ttft-rate",
+        "50",
+        "--out",
+        str(tmp_path),
+    ]
     with FakeOpenAI(reject=lambda body: True) as fake:
         assert bs.main(["--tandem-url", fake.url, "--num-warmup", "0", *flags]) == 0
         report = json.loads((tmp_path / "serve.json").read_text(), parse_constant=lambda c: pytest.fail(c))
@@ -301,7 +378,9 @@ def test_import_is_light():
     """`tandem`'s parser imports this module: no torch, httpx or matplotlib at its top level."""
     import subprocess
 
-    code = ("import sys, workers.bench_serve; "
-            "print(sorted(m for m in ('torch', 'httpx', 'matplotlib', 'tqdm') if m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys, benchmarks.serve; "
+        "print(sorted(m for m in ('torch', 'httpx', 'matplotlib', 'tqdm') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

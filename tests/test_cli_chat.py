@@ -19,7 +19,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT_S = 30.0  # safety limit for every wait; each wait ends on the awaited output
 
-DRIVER = r'''
+DRIVER = r"""
 import sys, time
 sys.path.insert(0, {root!r})
 from runtime.llm import cli
@@ -53,9 +53,9 @@ class StandIn:
         yield Out(f"got {{len(prompt)}} chars", True, 1)
 
 cli.load_llm = lambda args: (StandIn(), None)
-from runtime.cli import main
+from tandem.cli import main
 sys.exit(main(["chat"]))
-'''
+"""
 
 
 class Terminal:

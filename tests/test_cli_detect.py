@@ -17,10 +17,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ultralytics.utils import ASSETS  # noqa: E402
+from ultralytics.utils import ASSETS
 
-from runtime.vision.cli import add_detect_arguments, run_detect  # noqa: E402
-from sources.loopback import MjpegServer, dead_url  # noqa: E402
+from runtime.vision.cli import add_detect_arguments, run_detect
+from sources.loopback import MjpegServer, dead_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--imgsz", "160", "--conf", "0.0001", "--no-profile"]
@@ -49,8 +49,11 @@ def test_lines_are_printed_as_frames_are_done_not_held_back(tmp_path):
     # A slow camera: the old CLI printed nothing until 4 x max_batch_size (32) frames waited.
     with MjpegServer(fps=4) as cam:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.cli", "detect", cam.url, *FAST],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            [sys.executable, "-m", "tandem", "detect", cam.url, *FAST],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
         )
         try:
             first = json.loads(proc.stdout.readline())  # blocks until the first line is printed
@@ -134,9 +137,13 @@ def test_exit_1_when_every_input_fails(capsys, tmp_path):
 # ---- --device --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device, message", [
-    ("gpu", "--device must be cpu, cuda, cuda:N or mps, got 'gpu'"), ("cuda:99", "--device cuda:99"),
-])
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("gpu", "--device must be cpu, cuda, cuda:N or mps, got 'gpu'"),
+        ("cuda:99", "--device cuda:99"),
+    ],
+)
 def test_bad_device_is_one_line_before_anything_loads(capsys, monkeypatch, images, device, message):
     from runtime.vision import engine as engine_module
 

@@ -8,8 +8,8 @@ import io
 
 import pytest
 
-from runtime.cli import build_parser, main
 from runtime.llm import api
+from tandem.cli import build_parser, main
 
 
 @pytest.fixture()
@@ -39,15 +39,35 @@ def _generate(capsys, tiny_llama_dir, *argv):
 
 def test_sampling_and_engine_flags_reach_the_api(capsys, spy, tiny_llama_dir):
     code, out, err = _generate(
-        capsys, tiny_llama_dir, "Once upon a time", "--max-tokens", "6", "--min-tokens", "3", "--stop", "\n\n",
-        "--stop", "END", "--ignore-eos", "--repetition-penalty", "1.2", "--presence-penalty", "0.5",
-        "--frequency-penalty", "-0.5", "--max-model-len", "128", "--max-num-seqs", "3",
-        "--max-num-batched-tokens", "64",
+        capsys,
+        tiny_llama_dir,
+        "Once upon a time",
+        "--max-tokens",
+        "6",
+        "--min-tokens",
+        "3",
+        "--stop",
+        "\n\n",
+        "--stop",
+        "END",
+        "--ignore-eos",
+        "--repetition-penalty",
+        "1.2",
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "-0.5",
+        "--max-model-len",
+        "128",
+        "--max-num-seqs",
+        "3",
+        "--max-num-batched-tokens",
+        "64",
     )
     assert code == 0, err
     init = spy["init"]
     assert (init["max_model_len"], init["max_num_seqs"], init["max_num_batched_tokens"]) == (128, 3, 64)
-    (_, p), = spy["params"]
+    ((_, p),) = spy["params"]
     assert (p.max_tokens, p.min_tokens, p.stop, p.ignore_eos) == (6, 3, ["\n\n", "END"], True)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.2, 0.5, -0.5)
     assert "finish_reason=" in err
@@ -79,9 +99,13 @@ def test_bad_sampling_flag_names_the_flag_before_loading(capsys, monkeypatch):
     assert "--repetition-penalty must be a number > 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("device, message", [
-    ("gpu", "--device must be cpu, cuda, cuda:N or mps, got 'gpu'"), ("cuda:99", "--device cuda:99"),
-])
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("gpu", "--device must be cpu, cuda, cuda:N or mps, got 'gpu'"),
+        ("cuda:99", "--device cuda:99"),
+    ],
+)
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_bad_device_is_one_line_before_anything_loads(capsys, monkeypatch, command, device, message):
     monkeypatch.setattr(api, "LLM", lambda **kw: pytest.fail("must not load the model"))

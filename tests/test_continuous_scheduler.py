@@ -11,7 +11,6 @@ from scheduler_harness import MirrorRunner, check_invariants, drive, token_at
 
 from runtime.block_pool import BlockPool
 from schedulers import ContinuousBatchScheduler, Request, SchedulerConfig, StopCriteria
-from schedulers.request import RequestStatus
 
 
 def make(num_blocks=64, block_size=4, caching=True, **cfg):
@@ -21,7 +20,9 @@ def make(num_blocks=64, block_size=4, caching=True, **cfg):
 
 def req(rid, n_prompt, max_tokens=4, arrival=0.0, priority=0, prompt=None, **stop):
     prompt = prompt if prompt is not None else [1000 + (sum(map(ord, rid)) + i) % 50 for i in range(n_prompt)]
-    return Request(rid, list(prompt), StopCriteria(max_tokens=max_tokens, **stop), priority=priority, arrival_time=arrival)
+    return Request(
+        rid, list(prompt), StopCriteria(max_tokens=max_tokens, **stop), priority=priority, arrival_time=arrival
+    )
 
 
 def step(sched, runner):
@@ -152,7 +153,9 @@ def test_preemption_victim_is_latest_arrival_and_requeued_ahead_of_newcomers():
 
 
 def test_priority_policy_preempts_lowest_priority_first_and_admits_by_priority():
-    sched = make(num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, policy="priority", caching=False)
+    sched = make(
+        num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, policy="priority", caching=False
+    )
     sched.add_request(req("low", 4, max_tokens=8, arrival=0, priority=5))
     sched.add_request(req("high", 4, max_tokens=8, arrival=1, priority=0))
     runner = MirrorRunner()
@@ -278,7 +281,9 @@ def test_generation_stops_at_max_model_len():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_workload_with_tiny_pool_and_aborts_keeps_invariants(policy, seed):
     rng = random.Random(seed)
-    sched = make(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=24, policy=policy, max_model_len=64)
+    sched = make(
+        num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=24, policy=policy, max_model_len=64
+    )
     expected = {}
     shared = [rng.randrange(50) for _ in range(8)]
     for i in range(40):

@@ -118,18 +118,21 @@ def test_the_queue_takes_its_knobs_from_one_config():
     assert s.schedule(0.0).size == 2  # the preferred size, before the delay
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"max_batch_size": 0}, "max_batch_size must be an integer >= 1, got 0"),
-    ({"max_batch_size": True}, "max_batch_size must be an integer >= 1, got True"),
-    ({"max_batch_size": 4, "preferred_batch_sizes": (8,)}, r"preferred_batch_sizes .*\[1, max_batch_size=4\]"),
-    ({"preferred_batch_sizes": 4}, "preferred_batch_sizes must be a sequence of integers, got 4"),
-    ({"preferred_batch_sizes": (2.0,)}, "preferred_batch_sizes must hold integers"),
-    ({"max_queue_delay_ms": -1}, "max_queue_delay_ms must be a number >= 0, got -1"),
-    ({"max_queue_delay_ms": "5"}, "max_queue_delay_ms must be a number >= 0, got '5'"),
-    ({"default_timeout_ms": 0}, "default_timeout_ms must be a number > 0 or None, got 0"),
-    ({"max_queue_size": 0}, "max_queue_size must be an integer >= 1"),
-    ({"priority_levels": 0}, "priority_levels must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"max_batch_size": 0}, "max_batch_size must be an integer >= 1, got 0"),
+        ({"max_batch_size": True}, "max_batch_size must be an integer >= 1, got True"),
+        ({"max_batch_size": 4, "preferred_batch_sizes": (8,)}, r"preferred_batch_sizes .*\[1, max_batch_size=4\]"),
+        ({"preferred_batch_sizes": 4}, "preferred_batch_sizes must be a sequence of integers, got 4"),
+        ({"preferred_batch_sizes": (2.0,)}, "preferred_batch_sizes must hold integers"),
+        ({"max_queue_delay_ms": -1}, "max_queue_delay_ms must be a number >= 0, got -1"),
+        ({"max_queue_delay_ms": "5"}, "max_queue_delay_ms must be a number >= 0, got '5'"),
+        ({"default_timeout_ms": 0}, "default_timeout_ms must be a number > 0 or None, got 0"),
+        ({"max_queue_size": 0}, "max_queue_size must be an integer >= 1"),
+        ({"priority_levels": 0}, "priority_levels must be an integer >= 1"),
+    ],
+)
 def test_config_errors_name_the_field_and_range(fields, message):
     with pytest.raises(ValueError, match=message):
         DynamicBatchConfig(**fields)

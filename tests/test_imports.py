@@ -10,7 +10,9 @@ import sys
 def _modules_after(code: str) -> set[str]:
     out = subprocess.run(
         [sys.executable, "-c", code + "\nimport sys; print(' '.join(sys.modules))"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return set(out.split())
 
@@ -21,14 +23,19 @@ def test_schedulers_never_import_torch():
 
 
 def test_memory_manager_and_cli_parser_import_without_torch():
-    mods = _modules_after("import runtime.memory, runtime.cli; runtime.cli.build_parser()")
+    mods = _modules_after("import runtime.memory, tandem.cli; tandem.cli.build_parser()")
     assert "torch" not in mods
 
 
 def _threads_after(code: str) -> int:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    out = subprocess.run([sys.executable, "-c", code + "\nimport torch; print(torch.get_num_threads())"],
-                         capture_output=True, text=True, check=True, env=env).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport torch; print(torch.get_num_threads())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout
     return int(out.split()[-1])
 
 

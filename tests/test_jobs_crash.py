@@ -22,7 +22,18 @@ PROMPTS = [f"Write a few sentences about {TOPICS[i % 10]}{'!' if i >= 10 else '.
 
 def _worker(name: str, redis_url: str, folder) -> WorkerProcess:
     # float32: the check compares tokens across batchings, which bfloat16 does not keep bit-stable.
-    args = ["--queues", "llm", "--dtype", "float32", "--max-num-seqs", "8", "--kv-cache-bytes", str(256 << 20), "--loglevel", "INFO"]
+    args = [
+        "--queues",
+        "llm",
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "8",
+        "--kv-cache-bytes",
+        str(256 << 20),
+        "--loglevel",
+        "INFO",
+    ]
     return WorkerProcess(name, redis_url, folder, args)
 
 
@@ -44,8 +55,10 @@ def test_sigkill_of_a_worker_mid_batch_loses_no_job_and_runs_none_twice(tmp_path
         a.wait_ready(producer, timeout=180)
         b.wait_ready(producer, timeout=180)
 
-        job_ids = [jobs.submit(p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, job_id=f"crash-{i}")
-                   for i, p in enumerate(PROMPTS)]  # fmt: skip
+        job_ids = [
+            jobs.submit(p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, job_id=f"crash-{i}")
+            for i, p in enumerate(PROMPTS)
+        ]
 
         def a_is_mid_batch():
             on_a = [jobs.status(j) for j in job_ids]

@@ -24,8 +24,13 @@ def test_a_thousand_jobs_at_once_complete_with_bounded_memory(tmp_path, tiny_lla
     redis = RedisServer(tmp_path).start()
     settings = JobSettings(redis_url=redis.url, job_ttl_s=TTL_S)
     producer = make_app(settings)
-    worker = WorkerProcess("load@test", redis.url, tmp_path, tiny_worker_args(tiny_llama_dir, max_num_seqs=16),
-                           env={"TANDEM_JOB_TTL_S": str(TTL_S)})  # Celery's own result keys expire too
+    worker = WorkerProcess(
+        "load@test",
+        redis.url,
+        tmp_path,
+        tiny_worker_args(tiny_llama_dir, max_num_seqs=16),
+        env={"TANDEM_JOB_TTL_S": str(TTL_S)},
+    )  # Celery's own result keys expire too
     jobs = JobClient(settings=settings)
     try:
         worker.wait_ready(producer)
@@ -51,9 +56,11 @@ def test_a_thousand_jobs_at_once_complete_with_bounded_memory(tmp_path, tiny_lla
         assert not no_ttl, f"keys a job left that never expire: {no_ttl[:5]}"
         wait_for(lambda: redis_keys(jobs) == 0, 60, "the 1,000 jobs' keys to expire", interval=0.2)
         redis_after = redis.used_memory() - redis_before
-        print(f"\n{NUM_JOBS} jobs: submitted in {submit_s:.1f} s, all done in {run_s:.1f} s; worker RSS "
-              f"+{rss_growth / MiB:.1f} MiB; Redis +{redis_peak / MiB:.2f} MiB at the end, "
-              f"+{redis_after / MiB:.2f} MiB once expired")  # fmt: skip
+        print(
+            f"\n{NUM_JOBS} jobs: submitted in {submit_s:.1f} s, all done in {run_s:.1f} s; worker RSS "
+            f"+{rss_growth / MiB:.1f} MiB; Redis +{redis_peak / MiB:.2f} MiB at the end, "
+            f"+{redis_after / MiB:.2f} MiB once expired"
+        )
         assert rss_growth < 256 * MiB  # native allocator churn; the Python heap stays flat
         assert redis_peak < 16 * MiB  # under 16 KiB per finished job, result and stream included
         assert redis_after < 1 * MiB

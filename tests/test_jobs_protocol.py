@@ -39,8 +39,9 @@ def _submit(store: JobStore, job_id: str = "j1", **kwargs) -> None:
 
 def _claim(store: JobStore, worker: str, token: str, job_id: str = "j1"):
     store.heartbeat(worker)
-    return store.claim(job_id, worker, token, "tandem.generate", "llm", {"prompt": "hi"},
-                       ttl_s=60, max_tokens=16, submitted_at=0.0)  # fmt: skip
+    return store.claim(
+        job_id, worker, token, "tandem.generate", "llm", {"prompt": "hi"}, ttl_s=60, max_tokens=16, submitted_at=0.0
+    )
 
 
 def _emit(store: JobStore, token: str, start: int, ids: list[int], job_id: str = "j1") -> int:

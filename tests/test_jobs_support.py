@@ -50,10 +50,26 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
-             "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--logfile", "redis.log"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.folder),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--logfile",
+                "redis.log",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         import redis
 
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
@@ -94,13 +110,22 @@ class WorkerProcess:
     def __init__(self, name: str, redis_url: str, log_dir: Path, args: list[str], env: dict | None = None) -> None:
         self.name = name  # Celery node name, e.g. "w1@test"
         self.log_path = log_dir / f"{name.split('@')[0]}.log"
-        full_env = {**os.environ, "TANDEM_REDIS_URL": redis_url, "HF_HUB_OFFLINE": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(env or {})}  # fmt: skip
+        full_env = {
+            **os.environ,
+            "TANDEM_REDIS_URL": redis_url,
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "workers.worker", "--hostname", name, "--no-profile", *args],
-            cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            cwd=REPO,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_ready(self, app, timeout: float = 120) -> WorkerProcess:
         def ready():
@@ -140,5 +165,17 @@ class WorkerProcess:
 
 def tiny_worker_args(model_dir: str, max_num_seqs: int = 8) -> list[str]:
     """An LLM-only worker on the tiny random Llama, with a small KV cache."""
-    return ["--queues", "llm", "--dtype", "float32", "--model", model_dir, "--max-num-seqs", str(max_num_seqs),
-            "--kv-cache-bytes", str(64 << 20), "--loglevel", "INFO"]  # fmt: skip
+    return [
+        "--queues",
+        "llm",
+        "--dtype",
+        "float32",
+        "--model",
+        model_dir,
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--kv-cache-bytes",
+        str(64 << 20),
+        "--loglevel",
+        "INFO",
+    ]

@@ -134,8 +134,12 @@ def test_prefill_equals_full_causal_attention_rows():
     table, k, v = seqs[0]
     q = torch.randn(20, NH, HD)
     full = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(NH // NKV, 1).transpose(0, 1),
-        v.repeat_interleave(NH // NKV, 1).transpose(0, 1), is_causal=True,
+        q.transpose(0, 1),
+        k.repeat_interleave(NH // NKV, 1).transpose(0, 1),
+        v.repeat_interleave(NH // NKV, 1).transpose(0, 1),
+        is_causal=True,
     ).transpose(0, 1)
-    chunks = [paged_prefill_attention(q[s:e], k_cache, v_cache, table, s, HD**-0.5) for s, e in ((0, 6), (6, 7), (7, 20))]
+    chunks = [
+        paged_prefill_attention(q[s:e], k_cache, v_cache, table, s, HD**-0.5) for s, e in ((0, 6), (6, 7), (7, 20))
+    ]
     torch.testing.assert_close(torch.cat(chunks), full, atol=1e-5, rtol=1e-5)

@@ -78,7 +78,9 @@ def test_seeded_sampling_is_the_same_whatever_shares_the_batch(llm):
     others = [SamplingParams(max_tokens=n, temperature=0.8, seed=None, ignore_eos=True) for n in (5, 9, 20)]
     batch = llm.generate(["Hello", "The weather today", "Numbers:", "x"], [others[0], p, others[1], others[2]])
     assert batch[1].token_ids == alone
-    different = llm.generate(["The weather today"], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True))
+    different = llm.generate(
+        ["The weather today"], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)
+    )
     assert different[0].token_ids != alone  # the seed matters
 
 
@@ -105,7 +107,9 @@ def test_stop_string_ends_generation_and_is_not_returned(llm):
 def test_stop_token_ids_and_eos(llm):
     p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     base = llm.generate(["abc"], p)[0].token_ids
-    stopped = llm.generate(["abc"], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[base[2]]))[0]
+    stopped = llm.generate(
+        ["abc"], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[base[2]])
+    )[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids == base[: base.index(base[2]) + 1]
 
 
@@ -184,7 +188,8 @@ def test_min_tokens_outlasts_a_stop_string_end_to_end(llm):
     stop = full.text[1:3]  # appears within the first few tokens
     early = llm.generate(["Count"], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]))[0]
     late = llm.generate(
-        ["Count"], SamplingParams(max_tokens=30, min_tokens=len(early.token_ids) + 3, temperature=0, ignore_eos=True, stop=[stop])
+        ["Count"],
+        SamplingParams(max_tokens=30, min_tokens=len(early.token_ids) + 3, temperature=0, ignore_eos=True, stop=[stop]),
     )[0]
     assert len(late.token_ids) >= len(early.token_ids) + 3  # the early stop string did not end it
     assert late.token_ids[: len(early.token_ids)] == early.token_ids

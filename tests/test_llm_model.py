@@ -13,11 +13,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from runtime.llm.loader import load_model  # noqa: E402
-from runtime.llm.runner import ModelRunner  # noqa: E402
-from runtime.llm.sampling_params import SamplingParams  # noqa: E402
-from runtime.memory import DeviceMemoryManager, MemoryConfig  # noqa: E402
-from schedulers.plan import NewRequestData, StepPlan  # noqa: E402
+from runtime.llm.loader import load_model
+from runtime.llm.runner import ModelRunner
+from runtime.llm.sampling_params import SamplingParams
+from runtime.memory import DeviceMemoryManager, MemoryConfig
+from schedulers.plan import NewRequestData, StepPlan
 
 VOCAB = 96
 
@@ -33,19 +33,40 @@ def _save_tokenizer(path: str) -> None:
 
 
 def _make_model(path: str, arch: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(0)
     common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, eos_token_id=2, bos_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        eos_token_id=2,
+        bos_token_id=1,
     )
     if arch == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=100000.0)
         model = LlamaForCausalLM(config)
     elif arch == "llama3":
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
         config = LlamaConfig(**common, tie_word_embeddings=False, rope_parameters=rope)
         model = LlamaForCausalLM(config)
     elif arch == "mistral":
@@ -84,12 +105,21 @@ def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([tokens])).logits[0].float()
 
 
-def make_runner(model_dir: str, dtype: str = "float32", block_size: int = 4, num_kv_blocks: int = 64, **kw) -> ModelRunner:
+def make_runner(
+    model_dir: str, dtype: str = "float32", block_size: int = 4, num_kv_blocks: int = 64, **kw
+) -> ModelRunner:
     loaded = load_model(model_dir, dtype=dtype)
     mem = DeviceMemoryManager(MemoryConfig(budget_bytes=256 * 2**20))
     return ModelRunner(
-        loaded, mem, block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=8,
-        max_num_batched_tokens=64, max_model_len=128, dtype=dtype, **kw,
+        loaded,
+        mem,
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        dtype=dtype,
+        **kw,
     )
 
 
@@ -108,8 +138,14 @@ class Driver:
         self.reqs: dict[str, dict] = {}
 
     def add(self, rid: str, tokens: list[int], sampling=None, num_computed: int = 0, blocks=None) -> None:
-        self.reqs[rid] = {"tokens": list(tokens), "computed": num_computed, "blocks": list(blocks or []),
-                          "new": True, "prompt": len(tokens), "sampling": sampling}
+        self.reqs[rid] = {
+            "tokens": list(tokens),
+            "computed": num_computed,
+            "blocks": list(blocks or []),
+            "new": True,
+            "prompt": len(tokens),
+            "sampling": sampling,
+        }
 
     def step(self, schedule: dict[str, int], freed=()) -> tuple[StepPlan, dict[str, list[int]]]:
         plan = StepPlan(freed_req_ids=list(freed))
@@ -119,7 +155,9 @@ class Driver:
             new = [self.free.pop(torch.randint(len(self.free), (1,)).item()) for _ in range(max(need, 0))]
             if r["new"]:
                 r["blocks"] += new
-                plan.new_requests.append(NewRequestData(rid, list(r["tokens"]), list(r["blocks"]), r["computed"], r["prompt"], r["sampling"]))
+                plan.new_requests.append(
+                    NewRequestData(rid, list(r["tokens"]), list(r["blocks"]), r["computed"], r["prompt"], r["sampling"])
+                )
                 r["new"] = False
             elif new:
                 r["blocks"] += new
@@ -197,7 +235,9 @@ def test_triton_attention_path_matches_hf(model_dir, hf_model):
     d.add("z", prompt(10, 7))
     d.step({"x": 1, "long": 7, "y": 1, "z": 7})
     plan, _ = d.step({"y": 1, "long": 16, "x": 1, "z": 1})
-    torch.testing.assert_close(d.logits_of(plan, "long").cpu(), hf_logits(hf_model, long_prompt)[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        d.logits_of(plan, "long").cpu(), hf_logits(hf_model, long_prompt)[-1], atol=1e-4, rtol=1e-4
+    )
     for rid in ("x", "y", "z"):
         ref = hf_logits(hf_model, d.reqs[rid]["tokens"][:-1])[-1]
         torch.testing.assert_close(d.logits_of(plan, rid).cpu(), ref, atol=1e-4, rtol=1e-4)
@@ -255,8 +295,9 @@ def test_min_tokens_suppresses_eos(model_dir, hf_model):
 def test_memory_reservations_and_kv_shape(model_dir):
     loaded = load_model(model_dir)
     mem = DeviceMemoryManager(MemoryConfig(budget_bytes=64 * 2**20))
-    runner = ModelRunner(loaded, mem, block_size=8, kv_cache_bytes=2**20, max_num_seqs=4,
-                         max_num_batched_tokens=32, max_model_len=64)
+    runner = ModelRunner(
+        loaded, mem, block_size=8, kv_cache_bytes=2**20, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64
+    )
     spec = runner.spec
     per_block = 2 * spec.num_layers * 8 * spec.num_kv_heads * spec.head_dim * 4
     assert runner.kv_pool.num_blocks == 2**20 // per_block
@@ -271,7 +312,9 @@ def test_memory_reservations_and_kv_shape(model_dir):
     assert mem.reserved_bytes == 0 and mem.kv_pool is None
     # The rest of the budget by default.
     mem2 = DeviceMemoryManager(MemoryConfig(budget_bytes=64 * 2**20))
-    r2 = ModelRunner(load_model(model_dir), mem2, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    r2 = ModelRunner(
+        load_model(model_dir), mem2, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64
+    )
     assert mem2.free_bytes < per_block and r2.kv_pool.num_blocks > 0
 
 
@@ -283,8 +326,14 @@ def test_loader_refuses_remote_names_and_bad_fields(model_dir):
     loaded = load_model(model_dir)
     assert loaded.eos_token_ids == [2] and loaded.tokenizer is not None and loaded.hf_dir == model_dir
     with pytest.raises(ValueError, match="max_model_len"):
-        ModelRunner(loaded, DeviceMemoryManager(MemoryConfig(budget_bytes=2**26)), num_kv_blocks=4, max_num_seqs=2,
-                    max_num_batched_tokens=16, max_model_len=10_000)
+        ModelRunner(
+            loaded,
+            DeviceMemoryManager(MemoryConfig(budget_bytes=2**26)),
+            num_kv_blocks=4,
+            max_num_seqs=2,
+            max_num_batched_tokens=16,
+            max_model_len=10_000,
+        )
 
 
 def test_seeded_request_same_tokens_alone_or_batched(model_dir):
@@ -299,7 +348,7 @@ def test_seeded_request_same_tokens_alone_or_batched(model_dir):
         d.step({rid: len(r["tokens"]) for rid, r in d.reqs.items()})
         for _ in range(5):
             d.step({rid: 1 for rid in d.reqs})
-        return d.reqs["s"]["tokens"][len(p):]
+        return d.reqs["s"]["tokens"][len(p) :]
 
     alone = run(0)
     assert run(3) == alone and len(alone) == 6
@@ -311,7 +360,9 @@ def test_unpacked_weights_path_matches_hf(model_dir, hf_model):
 
     runner = make_runner(model_dir)
     loaded = load_model(model_dir)
-    runner.model = LlamaModel.from_state_dict(runner.spec, loaded.state_dict, torch.float32, "cpu", 128, pack_weights=False)
+    runner.model = LlamaModel.from_state_dict(
+        runner.spec, loaded.state_dict, torch.float32, "cpu", 128, pack_weights=False
+    )
     assert not runner.model.packed
     d = Driver(runner)
     p = prompt(13, 10)
@@ -319,7 +370,9 @@ def test_unpacked_weights_path_matches_hf(model_dir, hf_model):
     plan, _ = d.step({"a": 10})
     torch.testing.assert_close(d.logits_of(plan, "a"), hf_logits(hf_model, p)[-1], atol=2e-5, rtol=1e-5)
     plan, _ = d.step({"a": 1})
-    torch.testing.assert_close(d.logits_of(plan, "a"), hf_logits(hf_model, d.reqs["a"]["tokens"][:-1])[-1], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        d.logits_of(plan, "a"), hf_logits(hf_model, d.reqs["a"]["tokens"][:-1])[-1], atol=2e-5, rtol=1e-5
+    )
 
 
 def test_rms_norm_matches_hf():

@@ -22,7 +22,7 @@ SYSTEM = (
 CHAT_QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "How many legs does a spider have?"]
 PLAIN = [
     "The quick brown fox jumps over the lazy dog. Then",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "La capitale de l'Allemagne est",
     "中国的首都是",
     LONG_TEXT + "\nSummary:",

@@ -56,7 +56,9 @@ class Driver:
             new = [self.free_ids.pop() for _ in range(max(need, 0))]
             r["blocks"] += new
             if r["new"]:
-                plan.new_requests.append(NewRequestData(rid, list(r["tokens"]), list(r["blocks"]), r["computed"], r["prompt"]))
+                plan.new_requests.append(
+                    NewRequestData(rid, list(r["tokens"]), list(r["blocks"]), r["computed"], r["prompt"])
+                )
                 r["new"] = False
             elif new:
                 plan.new_block_ids[rid] = new

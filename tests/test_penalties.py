@@ -15,14 +15,17 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. Then", "def fibonacci(n
 NUM_TOKENS = 24
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("repetition_penalty", 0, "repetition_penalty must be a number > 0"),
-    ("repetition_penalty", -1.2, "repetition_penalty must be a number > 0"),
-    ("repetition_penalty", float("nan"), "repetition_penalty must be a number > 0"),
-    ("presence_penalty", 2.5, "presence_penalty must be a number in [-2, 2]"),
-    ("frequency_penalty", -3, "frequency_penalty must be a number in [-2, 2]"),
-    ("frequency_penalty", True, "frequency_penalty must be a number in [-2, 2]"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("repetition_penalty", 0, "repetition_penalty must be a number > 0"),
+        ("repetition_penalty", -1.2, "repetition_penalty must be a number > 0"),
+        ("repetition_penalty", float("nan"), "repetition_penalty must be a number > 0"),
+        ("presence_penalty", 2.5, "presence_penalty must be a number in [-2, 2]"),
+        ("frequency_penalty", -3, "frequency_penalty must be a number in [-2, 2]"),
+        ("frequency_penalty", True, "frequency_penalty must be a number in [-2, 2]"),
+    ],
+)
 def test_bad_penalties_name_the_field_and_range(field, value, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         SamplingParams(**{field: value})
@@ -53,7 +56,9 @@ def test_rows_are_reused_and_grow_without_mixing_requests():
     state = PenaltyState(vocab_size=4)
     for i in range(9):  # more than the first allocation: the tensors grow, rows keep their data
         state.add(f"r{i}", [i % 4], num_prompt_tokens=1, repetition=1.5, presence=0.0, frequency=0.0)
-    assert len(state) == 9 and bool(state.seen[state.slots(["r0"])[0], 0]) and bool(state.seen[state.slots(["r3"])[0], 3])
+    assert (
+        len(state) == 9 and bool(state.seen[state.slots(["r0"])[0], 0]) and bool(state.seen[state.slots(["r3"])[0], 3])
+    )
     state.remove("r0")
     state.add("new", [2], num_prompt_tokens=1, repetition=1.5, presence=0.0, frequency=0.0)
     row = state.seen[state.slots(["new"])[0]]
@@ -122,8 +127,9 @@ def test_repetition_penalty_matches_transformers(tiny):
 
 def test_presence_and_frequency_penalties_match_the_reference(tiny):
     llm, hf = tiny
-    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, presence_penalty=0.4,
-                            frequency_penalty=0.3)
+    params = SamplingParams(
+        max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, presence_penalty=0.4, frequency_penalty=0.3
+    )
     _check(llm, hf, params, lambda n: _PresenceFrequency(n, 0.4, 0.3))
 
 

@@ -25,10 +25,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from sources import StreamConfig, load_source  # noqa: E402
-from sources.rtsp_server import RtspCamera  # noqa: E402
-from sources.stream_reader import TERMINAL  # noqa: E402
-from stream_helpers import take_until  # noqa: E402
+from stream_helpers import take_until
+
+from sources import StreamConfig, load_source
+from sources.rtsp_server import RtspCamera
+from sources.stream_reader import TERMINAL
 
 W, H, FPS = 320, 240, 30  # 30 fps: FFmpeg probes ~20 frames on open, so each connect takes ~0.7 s
 
@@ -201,8 +202,21 @@ def _rtp(packet: bytes) -> dict:
     """RFC 3550 header and RFC 2435 JPEG header of one RTP/JPEG packet."""
     b0, b1, seq, ts, ssrc = struct.unpack("!BBHII", packet[:12])
     tspec, off_hi, off_lo, typ, q, w8, h8 = struct.unpack("!BBHBBBB", packet[12:20])
-    p = dict(version=b0 >> 6, pt=b1 & 0x7F, marker=b1 >> 7, seq=seq, ts=ts, ssrc=ssrc, type_specific=tspec,
-             offset=(off_hi << 16) | off_lo, type=typ, q=q, width=w8 * 8, height=h8 * 8, data=packet[20:])  # fmt: skip
+    p = dict(
+        version=b0 >> 6,
+        pt=b1 & 0x7F,
+        marker=b1 >> 7,
+        seq=seq,
+        ts=ts,
+        ssrc=ssrc,
+        type_specific=tspec,
+        offset=(off_hi << 16) | off_lo,
+        type=typ,
+        q=q,
+        width=w8 * 8,
+        height=h8 * 8,
+        data=packet[20:],
+    )
     if p["offset"] == 0 and q >= 128:  # the quantization table header comes with the first fragment
         mbz, precision, length = struct.unpack("!BBH", packet[20:24])
         p.update(qheader=(mbz, precision, length), tables=packet[24 : 24 + length], data=packet[24 + length :])
@@ -356,8 +370,12 @@ def test_script_serves_by_hand_and_exits_when_stdin_closes():
     """`python sources/rtsp_server.py --port 0` as a person would run it (not -m): it prints the
     ready line naming the port it took, and with --stop-on-eof it goes when its parent does."""
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sources", "rtsp_server.py")
-    proc = subprocess.Popen([sys.executable, script, "--port", "0", "--path", "by-hand", "--stop-on-eof"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, script, "--port", "0", "--path", "by-hand", "--stop-on-eof"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 20)
         assert ready, "no ready line within 20 s"

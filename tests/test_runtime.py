@@ -16,7 +16,6 @@ import pytest
 
 from runtime import LLM, DeadlineExceededError, RequestError, Runtime, RuntimeClosedError, SamplingParams
 from runtime.memory import DeviceMemoryManager, MemoryConfig
-from schedulers.arbiter import VISION
 
 SAFETY_S = 120
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -25,13 +24,27 @@ PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", 
 
 def _vision(workers: int | None = None, **batching) -> dict:
     """Small and fast; workers=1 makes a one-lane device, where the two workloads take turns."""
-    return {"imgsz": 64, "conf": 0.0, "profile": False, "jit": False, "workers": workers,
-            "batching": {"max_batch_size": 2, "max_queue_delay_ms": 1.0, "preferred_batch_sizes": [1], **batching}}  # fmt: skip
+    return {
+        "imgsz": 64,
+        "conf": 0.0,
+        "profile": False,
+        "jit": False,
+        "workers": workers,
+        "batching": {"max_batch_size": 2, "max_queue_delay_ms": 1.0, "preferred_batch_sizes": [1], **batching},
+    }
 
 
 def _llm(model: str, **kw) -> dict:
     # float32: tests compare tokens across batchings, which bfloat16 does not keep bit-stable.
-    return {"model": model, "device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128, **kw}
+    return {
+        "model": model,
+        "device": "cpu",
+        "dtype": "float32",
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 64,
+        "max_model_len": 128,
+        **kw,
+    }
 
 
 def _image(seed: int) -> np.ndarray:
@@ -63,7 +76,14 @@ def _kv_used(runtime: Runtime) -> int:
 
 
 def test_many_threads_submit_both_kinds_and_everything_completes(rt, tiny_llama_dir):
-    reference = LLM(model=tiny_llama_dir, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+    reference = LLM(
+        model=tiny_llama_dir,
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+    )
     expected = {p: o.token_ids for p, o in zip(PROMPTS, reference.generate(PROMPTS, GREEDY, use_tqdm=False))}
     reference.engine.close()
     results: dict[tuple[int, int], object] = {}
@@ -126,7 +146,7 @@ def test_cancel_a_running_and_a_queued_generation_frees_their_blocks(rt):
     # Four slots: fill them so that the fifth request waits in the queue.
     others = [rt.submit_generate(p, long) for p in PROMPTS[1:4]]
     queued = rt.submit_generate("never runs", long)
-    for out in running:  # the first token: it is running
+    for _ in running:  # the first token: it is running
         started.set()
         break
     assert started.is_set()
@@ -235,7 +255,9 @@ def test_queued_requests_past_their_deadline_are_rejected(tiny_llama_dir, monkey
 def test_on_several_lanes_vision_runs_beside_llm_steps(tiny_llama_dir, monkeypatch):
     with Runtime(llm=_llm(tiny_llama_dir), vision=_vision(workers=2), profile=False) as runtime:
         assert runtime.arbiter.lanes == 2
-        long = runtime.submit_generate("Once upon a time", SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
+        long = runtime.submit_generate(
+            "Once upon a time", SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+        )
         next(iter(long))  # the LLM is busy decoding
         gate, entered = _hold_vision(monkeypatch, runtime)
         held = []
@@ -258,7 +280,9 @@ def test_on_one_lane_an_urgent_vision_batch_runs_between_llm_steps(tiny_llama_di
     arbiter = {"vision_target_latency_ms": 30.0}
     with Runtime(llm=_llm(tiny_llama_dir), vision=_vision(workers=1), arbiter=arbiter, profile=False) as runtime:
         assert runtime.arbiter.lanes == 1
-        long = runtime.submit_generate("Once upon a time", SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
+        long = runtime.submit_generate(
+            "Once upon a time", SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+        )
         next(iter(long))  # the LLM is busy decoding and holds the lane
         assert runtime.submit_detect(_image(3)).result(SAFETY_S) is not None  # due 30 ms after arrival
         assert not long.done()  # it ran in the middle of the generation, not after it
@@ -295,6 +319,7 @@ def test_close_drains_by_default_and_fails_pending_work_without_draining(tiny_ll
 def test_a_broken_loop_fails_pending_and_later_calls_at_once(tiny_llama_dir, monkeypatch):
     runtime = Runtime(llm=_llm(tiny_llama_dir), profile=False)
     try:
+
         def broken_choice(*args):
             raise AssertionError("injected arbiter bug")
 
@@ -336,7 +361,11 @@ def test_runtime_greedy_outputs_equal_the_plain_llm_path_with_vision_beside(smol
     llm = LLM(model=smollm2_dir, device="cpu", dtype="float32", max_num_seqs=4)
     expected = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.engine.close()
-    with Runtime(llm={"model": smollm2_dir, "device": "cpu", "dtype": "float32", "max_num_seqs": 4}, vision=_vision(), profile=False) as runtime:
+    with Runtime(
+        llm={"model": smollm2_dir, "device": "cpu", "dtype": "float32", "max_num_seqs": 4},
+        vision=_vision(),
+        profile=False,
+    ) as runtime:
         futures = [runtime.submit_detect(_image(j)) for j in range(12)]
         handles = [runtime.submit_generate(p, params) for p in prompts]
         assert [h.result(SAFETY_S).token_ids for h in handles] == expected

@@ -12,7 +12,9 @@ from runtime.llm.sampler import Sampler, SamplingBatch, row_seed
 def batch(n: int, temperature=1.0, top_k=0, top_p=1.0, seeds=None, suppress=()) -> SamplingBatch:
     return SamplingBatch(
         temperatures=[temperature] * n if isinstance(temperature, (int, float)) else list(temperature),
-        top_k=[top_k] * n, top_p=[top_p] * n, seeds=list(seeds) if seeds is not None else [None] * n,
+        top_k=[top_k] * n,
+        top_p=[top_p] * n,
+        seeds=list(seeds) if seeds is not None else [None] * n,
         suppress=list(suppress),
     )
 
@@ -112,6 +114,7 @@ def test_min_tokens_suppression_masks_stop_ids_only_in_their_row():
 
 # --- the exponential race (issue 10) ---------------------------------------------------------
 
+
 def _allowed(logits_row: torch.Tensor, temperature: float, k: int, p: float) -> set[int]:
     """Reference support of one row, by a full sort: top-k, then top-p on the renormalised
     top-k distribution, ties with the threshold kept, at least one token."""
@@ -136,21 +139,33 @@ def test_seeded_rows_are_reproducible_across_batch_compositions_and_orders():
         return s(rows, SamplingBatch(temperatures=temps, top_k=ks, top_p=ps, seeds=seeds))
 
     for index in range(4):  # four output indices: each draws afresh
-        alone = [run(targets[i:i + 1], [t], [k], [p], [row_seed(100 + i, index)]).item()
-                 for i, (t, k, p) in enumerate(params)]
+        alone = [
+            run(targets[i : i + 1], [t], [k], [p], [row_seed(100 + i, index)]).item()
+            for i, (t, k, p) in enumerate(params)
+        ]
         for trial in range(6):
             g = torch.Generator().manual_seed(trial)
             extra = int(torch.randint(0, 5, (), generator=g))
             # Neighbours: greedy, unseeded and other-seeded rows with their own parameters.
             others = torch.randn(extra, vocab, generator=g)
-            o_params = [((0.0, 0, 1.0), None), ((0.9, 5, 1.0), None), ((1.0, 0, 0.5), row_seed(7, trial)),
-                        ((0.0, 0, 1.0), row_seed(8, 0)), ((1.5, 100, 0.95), None)][:extra]
+            o_params = [
+                ((0.0, 0, 1.0), None),
+                ((0.9, 5, 1.0), None),
+                ((1.0, 0, 0.5), row_seed(7, trial)),
+                ((0.0, 0, 1.0), row_seed(8, 0)),
+                ((1.5, 100, 0.95), None),
+            ][:extra]
             rows = [(targets[i], params[i], row_seed(100 + i, index), i) for i in range(len(params))]
             rows += [(others[j], o_params[j][0], o_params[j][1], None) for j in range(extra)]
             order = torch.randperm(len(rows), generator=g).tolist()
             rows = [rows[o] for o in order]
-            out = run(torch.stack([r[0] for r in rows]), [r[1][0] for r in rows], [r[1][1] for r in rows],
-                      [r[1][2] for r in rows], [r[2] for r in rows])
+            out = run(
+                torch.stack([r[0] for r in rows]),
+                [r[1][0] for r in rows],
+                [r[1][1] for r in rows],
+                [r[1][2] for r in rows],
+                [r[2] for r in rows],
+            )
             got = {r[3]: out[pos].item() for pos, r in enumerate(rows) if r[3] is not None}
             assert got == dict(enumerate(alone)), (index, trial)
     # Different output indices give different tokens (flat enough rows), the same index the same.
@@ -225,8 +240,9 @@ def test_top_k_and_top_p_never_emit_excluded_tokens_in_a_mixed_batch():
                 assert tok in allowed[i], (i, ks[i], ps[i], temps[i])
     # top-k alone, mixed with unlimited rows (the gather path) and homogeneous.
     for kk in ([3, 0, 10, 1] * 16, [7] * rows):
-        out = s(logits, SamplingBatch(temperatures=[1.0] * rows, top_k=kk, top_p=[1.0] * rows,
-                                      seeds=[None] * rows)).tolist()
+        out = s(
+            logits, SamplingBatch(temperatures=[1.0] * rows, top_k=kk, top_p=[1.0] * rows, seeds=[None] * rows)
+        ).tolist()
         for i, tok in enumerate(out):
             assert tok in _allowed(logits[i], 1.0, kk[i], 1.0)
 
@@ -259,6 +275,7 @@ def test_plain_sampling_uses_no_cumsum_sort_or_host_sync(monkeypatch):
     def forbidden(name):
         def f(*a, **kw):
             raise AssertionError(f"{name} on the sampler's plain path")
+
         return f
 
     torch.manual_seed(11)
@@ -269,8 +286,13 @@ def test_plain_sampling_uses_no_cumsum_sort_or_host_sync(monkeypatch):
         batch(6, temperature=0.7, seeds=[row_seed(1, 0), None] * 3),
         batch(6, temperature=[0.0, 1.0, 0.5, 0.0, 2.0, 1.0]),
         batch(6, top_k=50),
-        SamplingBatch(temperatures=[1.0] * 6, top_k=[0, 5, 50, 0, 1, 4096], top_p=[1.0] * 6, seeds=[None] * 6,
-                      suppress=[(1, [3, 4])]),
+        SamplingBatch(
+            temperatures=[1.0] * 6,
+            top_k=[0, 5, 50, 0, 1, 4096],
+            top_p=[1.0] * 6,
+            seeds=[None] * 6,
+            suppress=[(1, [3, 4])],
+        ),
     ]
     with monkeypatch.context() as m:
         for name in ("cumsum", "sort", "argsort", "searchsorted"):
@@ -316,9 +338,10 @@ def test_extreme_uniforms_never_pick_an_excluded_token(monkeypatch):
     logits[:, 0] = -50.0  # token 0 is excluded by every limit below
     real_uniform = torch.Tensor.uniform_
     for end in ("low", "high"):
+
         def pinned(self, lo=0.0, hi=1.0, *, generator=None, _end=end):
             real_uniform(self, lo, hi, generator=generator)
-            return self.fill_(lo if _end == "low" else 1.0 - 2.0 ** -24)  # the largest float32 below 1
+            return self.fill_(lo if _end == "low" else 1.0 - 2.0**-24)  # the largest float32 below 1
 
         with monkeypatch.context() as m:
             m.setattr(torch.Tensor, "uniform_", pinned)

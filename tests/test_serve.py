@@ -44,19 +44,27 @@ FINAL = ("done", "failed", "cancelled")
 
 
 class ServeProcess:
-    """`python -m runtime.cli serve --port 0 ...` with its log in a file; `wait_ready` reads the
+    """`python -m tandem serve --port 0 ...` with its log in a file; `wait_ready` reads the
     URL it printed and waits for /health to answer."""
 
     def __init__(self, name: str, log_dir: Path, args: list[str], env: dict | None = None) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
-        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-                    **(env or {})}  # fmt: skip
+        full_env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args],
-            cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [sys.executable, "-m", "tandem", "serve", "--host", "127.0.0.1", "--port", "0", *args],
+            cwd=REPO,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         self.url = ""
 
     def wait_ready(self, timeout: float = 120) -> ServeProcess:
@@ -121,29 +129,84 @@ class Stack:
         self.smol_redis = self._add(RedisServer(tmp / "smol").start())
         self.r = redis.Redis.from_url(self.redis.url, decode_responses=True)
         self.celery = make_app(JobSettings(redis_url=self.redis.url))
-        self.worker = self._add(WorkerProcess(
-            "main@serve", self.redis.url, tmp,
-            ["--queues", "llm,vision", "--dtype", "float32", "--model", tiny_dir, "--max-num-seqs", "4", "--concurrency", "2",
-             "--kv-cache-bytes", str(64 << 20), "--imgsz", "160", "--vision-max-batch-size", "1"],
-            env={**WORKER_ENV, "TANDEM_ALLOWED_ROOTS": str(self.images)},
-        ))  # fmt: skip
-        self.smol_worker = self._add(WorkerProcess(
-            "smol@serve", self.smol_redis.url, tmp,
-            ["--queues", "llm", "--dtype", "float32", "--model", self.smol_dir, "--served-model-name", "smollm2", "--max-num-seqs", "2",
-             "--concurrency", "2", "--max-model-len", "1024", "--kv-cache-bytes", str(64 << 20)],
-            env=WORKER_ENV,
-        ))  # fmt: skip
+        self.worker = self._add(
+            WorkerProcess(
+                "main@serve",
+                self.redis.url,
+                tmp,
+                [
+                    "--queues",
+                    "llm,vision",
+                    "--dtype",
+                    "float32",
+                    "--model",
+                    tiny_dir,
+                    "--max-num-seqs",
+                    "4",
+                    "--concurrency",
+                    "2",
+                    "--kv-cache-bytes",
+                    str(64 << 20),
+                    "--imgsz",
+                    "160",
+                    "--vision-max-batch-size",
+                    "1",
+                ],
+                env={**WORKER_ENV, "TANDEM_ALLOWED_ROOTS": str(self.images)},
+            )
+        )
+        self.smol_worker = self._add(
+            WorkerProcess(
+                "smol@serve",
+                self.smol_redis.url,
+                tmp,
+                [
+                    "--queues",
+                    "llm",
+                    "--dtype",
+                    "float32",
+                    "--model",
+                    self.smol_dir,
+                    "--served-model-name",
+                    "smollm2",
+                    "--max-num-seqs",
+                    "2",
+                    "--concurrency",
+                    "2",
+                    "--max-model-len",
+                    "1024",
+                    "--kv-cache-bytes",
+                    str(64 << 20),
+                ],
+                env=WORKER_ENV,
+            )
+        )
         redis_args = ["--redis-url", self.redis.url]
         self.server = self._add(ServeProcess("serve", tmp, [*redis_args, "--max-body-bytes", str(MAX_BODY)]))
         self.busy_server = self._add(ServeProcess("serve-busy", tmp, [*redis_args, "--max-queued", "1"]))
         self.smol_server = self._add(ServeProcess("serve-smol", tmp, ["--redis-url", self.smol_redis.url]))
         nowhere = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-        self.embedded_server = self._add(ServeProcess(
-            "serve-embedded", tmp,
-            ["--embedded", "--queues", "llm", "--dtype", "float32", "--model", tiny_dir, "--max-num-seqs", "4",
-             "--kv-cache-bytes", str(64 << 20), "--no-profile"],
-            env={"TANDEM_REDIS_URL": nowhere},
-        ))  # fmt: skip
+        self.embedded_server = self._add(
+            ServeProcess(
+                "serve-embedded",
+                tmp,
+                [
+                    "--embedded",
+                    "--queues",
+                    "llm",
+                    "--dtype",
+                    "float32",
+                    "--model",
+                    tiny_dir,
+                    "--max-num-seqs",
+                    "4",
+                    "--kv-cache-bytes",
+                    str(64 << 20),
+                    "--no-profile",
+                ],
+                env={"TANDEM_REDIS_URL": nowhere},
+            )
+        )
         return self
 
     def _add(self, proc):
@@ -171,8 +234,7 @@ class Stack:
 
     def client(self, server: ServeProcess | None = None) -> openai.OpenAI:
         # No retries: a 503 or 504 must reach the test, not be retried away by the SDK.
-        return openai.OpenAI(base_url=(server or self.server).url + "/v1", api_key="unused", max_retries=0,
-                             timeout=60)  # fmt: skip
+        return openai.OpenAI(base_url=(server or self.server).url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
     def job_ids(self) -> set[str]:
         return {k[len(job_key("")) :] for k in self.r.scan_iter(match=job_key("*"), count=1000)}
@@ -241,8 +303,9 @@ def sse(lines) -> list[dict]:
 
 
 def greedy(env: Stack, prompt, n: int, **extra) -> openai.types.Completion:
-    return env.client().completions.create(model=env.model, prompt=prompt, max_tokens=n, temperature=0,
-                                           extra_body={"ignore_eos": True, **extra})  # fmt: skip
+    return env.client().completions.create(
+        model=env.model, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True, **extra}
+    )
 
 
 def job_result(env: Stack, **body) -> dict:
@@ -273,8 +336,12 @@ def scrape(url: str) -> dict:
 
 def metric(families: dict, sample: str, **labels) -> float:
     """The sum of the samples named `sample` whose labels include `labels`."""
-    return sum(s.value for f in families.values() for s in f.samples
-               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+    return sum(
+        s.value
+        for f in families.values()
+        for s in f.samples
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def new_job(env: Stack, before: set[str]) -> str:
@@ -321,13 +388,22 @@ def test_completion_of_token_ids_matches_the_text_prompt(env, tok):
 def test_chat_completion_matches_its_stream_and_ends_with_usage_then_done(env):
     client = env.client()
     messages = [{"role": "user", "content": "Say something."}]
-    plain = client.chat.completions.create(model=env.model, messages=messages, max_tokens=10, temperature=0,
-                                           extra_body={"ignore_eos": True})  # fmt: skip
+    plain = client.chat.completions.create(
+        model=env.model, messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert plain.object == "chat.completion" and plain.choices[0].message.role == "assistant"
     assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 10
-    chunks = list(client.chat.completions.create(model=env.model, messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=env.model,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -338,8 +414,14 @@ def test_chat_completion_matches_its_stream_and_ends_with_usage_then_done(env):
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
 def test_raw_stream_is_sse_with_usage_last_and_done(env, endpoint):
-    body = {"model": env.model, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": env.model,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     body.update({"prompt": "Hello"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]})
     with httpx.stream("POST", f"{env.server.url}/v1/{endpoint}", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -361,8 +443,16 @@ def test_chat_with_smollm2_answers_and_its_stream_says_the_same(stack):
     answer = plain.choices[0].message.content
     assert "Paris" in answer and plain.choices[0].finish_reason == "stop"  # its own EOS, before 32 tokens
     assert plain.usage.completion_tokens < 32
-    chunks = list(client.chat.completions.create(model="smollm2", messages=messages, max_tokens=32, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2",
+            messages=messages,
+            max_tokens=32,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == plain.usage.model_dump()
 
@@ -372,8 +462,9 @@ def test_ignore_eos_and_min_tokens_keep_smollm2_past_its_eos(stack):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
 
     def ask(**extra):
-        return client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0,
-                                              extra_body=extra)  # fmt: skip
+        return client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=24, temperature=0, extra_body=extra
+        )
 
     ignoring, forced = ask(ignore_eos=True), ask(min_tokens=24)
     for out in (ignoring, forced):
@@ -400,8 +491,13 @@ def test_seed_top_k_priority_and_repetition_penalty(env):
     client = env.client()
 
     def sample(**extra):
-        out = client.completions.create(model=env.model, prompt="Tell me a story", max_tokens=12, temperature=1.0,
-                                        extra_body={"ignore_eos": True, **extra})  # fmt: skip
+        out = client.completions.create(
+            model=env.model,
+            prompt="Tell me a story",
+            max_tokens=12,
+            temperature=1.0,
+            extra_body={"ignore_eos": True, **extra},
+        )
         return out.choices[0].text
 
     assert sample(seed=1234) == sample(seed=1234)  # a seed makes sampling reproducible
@@ -475,8 +571,11 @@ def test_an_out_of_vocabulary_stop_token_id_is_400_and_the_requests_in_flight_ke
     streams = [client.completions.create(prompt=p, stream=True, **args) for p in prompts]
     firsts = [next(iter(s)).choices[0].text for s in streams[:2]]  # streaming (the main worker runs two at once)
     for bad in (1_000_000, 2**70):
-        r = httpx.post(proc.url + "/v1/completions", timeout=30, json={
-            "model": model, "prompt": "x", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [bad]})  # fmt: skip
+        r = httpx.post(
+            proc.url + "/v1/completions",
+            timeout=30,
+            json={"model": model, "prompt": "x", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [bad]},
+        )
         assert r.status_code == 400, r.text
         body = r.json()["error"]
         assert body["param"] == "stop_token_ids" and str(bad) in body["message"], body
@@ -518,15 +617,21 @@ def test_an_oversized_body_is_413_declared_or_chunked(env):
     chunked = httpx.post(url, content=chunks(), headers={"content-type": "application/json"}, timeout=30)
     assert chunked.status_code == 413 and chunked.json()["error"]["code"] == 413
     boundary = b"tandemboundary"
-    upload = (b"--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; filename="big.jpg"\r\n'
-              b"Content-Type: image/jpeg\r\n\r\n" + b"\xff" * (MAX_BODY + 1) + b"\r\n--" + boundary + b"--\r\n")
+    upload = (
+        b"--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; filename="big.jpg"\r\n'
+        b"Content-Type: image/jpeg\r\n\r\n" + b"\xff" * (MAX_BODY + 1) + b"\r\n--" + boundary + b"--\r\n"
+    )
 
     def upload_chunks():  # a chunked multipart upload: no Content-Length either
         for i in range(0, len(upload), 4096):
             yield upload[i : i + 4096]
 
-    multipart = httpx.post(env.server.url + "/v1/detect", content=upload_chunks(), timeout=30,
-                           headers={"content-type": "multipart/form-data; boundary=tandemboundary"})  # fmt: skip
+    multipart = httpx.post(
+        env.server.url + "/v1/detect",
+        content=upload_chunks(),
+        timeout=30,
+        headers={"content-type": "multipart/form-data; boundary=tandemboundary"},
+    )
     assert multipart.status_code == 413, multipart.text
     assert_serving(env)
 
@@ -546,8 +651,9 @@ def test_the_same_job_id_with_other_arguments_is_409(env):
 def test_a_request_past_its_timeout_gets_504_and_its_job_stops(env):
     before = env.job_ids()
     with pytest.raises(openai.APIStatusError) as exc:
-        env.client().completions.create(model=env.model, prompt="Go on", max_tokens=1000,
-                                        extra_body={"ignore_eos": True, "request_timeout": 0.05})  # fmt: skip
+        env.client().completions.create(
+            model=env.model, prompt="Go on", max_tokens=1000, extra_body={"ignore_eos": True, "request_timeout": 0.05}
+        )
     assert exc.value.status_code == 504 and exc.value.body["type"] == "timeout"
     job_id = new_job(env, before)
     final = wait_for(lambda: env.job(job_id).get("state") in FINAL and env.job(job_id), 30, "the job to end")
@@ -557,8 +663,14 @@ def test_a_request_past_its_timeout_gets_504_and_its_job_stops(env):
 
 
 def test_a_stream_past_its_timeout_ends_with_a_504_error_then_done(env):
-    body = {"model": env.model, "prompt": "Go on", "max_tokens": 1000, "ignore_eos": True, "stream": True,
-            "request_timeout": 1.5}  # fmt: skip
+    body = {
+        "model": env.model,
+        "prompt": "Go on",
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+        "request_timeout": 1.5,
+    }
     with httpx.stream("POST", env.server.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         events = sse(r.iter_lines())
@@ -574,8 +686,11 @@ def test_a_stream_past_its_timeout_ends_with_a_504_error_then_done(env):
 
 def test_job_events_resume_after_a_disconnect_without_loss_or_repeat(env):
     url = env.server.url
-    submitted = httpx.post(url + "/v1/jobs", json={"prompt": "Tell me everything", "max_tokens": 300,
-                                                   "temperature": 0, "ignore_eos": True}, timeout=10)  # fmt: skip
+    submitted = httpx.post(
+        url + "/v1/jobs",
+        json={"prompt": "Tell me everything", "max_tokens": 300, "temperature": 0, "ignore_eos": True},
+        timeout=10,
+    )
     assert submitted.status_code == 202 and submitted.json()["created"] is True
     job_id = submitted.json()["job_id"]
     lines: list[str] = []
@@ -586,8 +701,9 @@ def test_job_events_resume_after_a_disconnect_without_loss_or_repeat(env):
             if not line and len(sse(lines)) == 3:
                 break  # three events read: go away mid-stream
     first = sse(lines)
-    with httpx.stream("GET", f"{url}/v1/jobs/{job_id}/events", headers={"Last-Event-ID": first[-1]["id"]},
-                      timeout=60) as r:  # fmt: skip
+    with httpx.stream(
+        "GET", f"{url}/v1/jobs/{job_id}/events", headers={"Last-Event-ID": first[-1]["id"]}, timeout=60
+    ) as r:
         rest = sse(r.iter_lines())
     events = first + rest
     ids = [e["id"] for e in events]
@@ -607,12 +723,15 @@ def test_job_events_resume_after_a_disconnect_without_loss_or_repeat(env):
     assert httpx.get(f"{url}/v1/jobs/no-such-job/events", timeout=10).status_code == 404
 
 
-@pytest.mark.parametrize("param, body", [
-    ("max_tokens", {"prompt": "Hi", "max_tokens": -1}),
-    ("max_tokenz", {"prompt": "Hi", "max_tokenz": 3}),
-    ("task", {"prompt": "Hi", "task": "paint"}),
-    ("job_id", {"prompt": "Hi", "job_id": "no spaces allowed"}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "param, body",
+    [
+        ("max_tokens", {"prompt": "Hi", "max_tokens": -1}),
+        ("max_tokenz", {"prompt": "Hi", "max_tokenz": 3}),
+        ("task", {"prompt": "Hi", "task": "paint"}),
+        ("job_id", {"prompt": "Hi", "job_id": "no spaces allowed"}),
+    ],
+)
 def test_job_api_bad_fields_are_400_naming_the_field(env, param, body):
     r = httpx.post(env.server.url + "/v1/jobs", json=body, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -631,21 +750,38 @@ def test_job_events_with_a_malformed_last_event_id_is_400(env):
 def test_a_stream_client_that_disconnects_cancels_its_job_and_frees_its_kv_blocks(env):
     before = env.job_ids()
     aborted_before = metric(scrape(env.server.url), "tandem:request_success_total", finished_reason="abort")
-    stream = env.client().completions.create(model=env.model, prompt="Count forever", max_tokens=1000,
-                                             temperature=0, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    stream = env.client().completions.create(
+        model=env.model,
+        prompt="Count forever",
+        max_tokens=1000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     chunks = iter(stream)
     assert next(chunks).choices[0].text is not None and next(chunks).choices[0].text is not None
     job_id = new_job(env, before)
-    wait_for(lambda: metric(scrape(env.server.url), "tandem:kv_cache_usage_perc") > 0, 10,
-             "/metrics to show the job's KV blocks in use")  # fmt: skip
+    wait_for(
+        lambda: metric(scrape(env.server.url), "tandem:kv_cache_usage_perc") > 0,
+        10,
+        "/metrics to show the job's KV blocks in use",
+    )
     stream.close()  # the client goes away mid-stream
     final = wait_for(lambda: env.job(job_id).get("state") in FINAL and env.job(job_id), 10, "the job to end")
     assert final["state"] == "cancelled" and int(final["num_tokens"]) < 1000
-    wait_for(lambda: metric(scrape(env.server.url), "tandem:kv_cache_usage_perc") == 0, 10,
-             "/metrics to show the KV cache empty again")  # fmt: skip
+    wait_for(
+        lambda: metric(scrape(env.server.url), "tandem:kv_cache_usage_perc") == 0,
+        10,
+        "/metrics to show the KV cache empty again",
+    )
     assert kv_blocks_used(env) == 0
-    wait_for(lambda: metric(scrape(env.server.url), "tandem:request_success_total", finished_reason="abort")
-             > aborted_before, 10, "the aborted request in /metrics")  # fmt: skip
+    wait_for(
+        lambda: (
+            metric(scrape(env.server.url), "tandem:request_success_total", finished_reason="abort") > aborted_before
+        ),
+        10,
+        "the aborted request in /metrics",
+    )
     assert_serving(env)
 
 
@@ -653,8 +789,10 @@ def test_a_plain_request_whose_client_disconnects_cancels_its_job(env):
     before = env.job_ids()
     body = json.dumps({"model": env.model, "prompt": "Count forever", "max_tokens": 1000, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", env.server.port), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         job_id = new_job(env, before)
         wait_for(lambda: int(env.job(job_id).get("num_tokens") or 0) > 0, 10, "the job's first tokens")
     final = wait_for(lambda: env.job(job_id).get("state") in FINAL and env.job(job_id), 10, "the job to end")
@@ -710,9 +848,19 @@ def test_a_full_queue_answers_503_with_retry_after_and_recovers(env):
 def test_metrics_parse_and_count_the_requests(env):
     fams = scrape(env.server.url)
     labels = {"model_name": env.model}
-    names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "time_to_first_token_seconds",
-             "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-             "num_preemptions", "prompt_tokens", "generation_tokens", "request_success")  # fmt: skip
+    names = (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "num_preemptions",
+        "prompt_tokens",
+        "generation_tokens",
+        "request_success",
+    )
     assert {f"tandem:{n}" for n in names} <= set(fams)
     assert fams["tandem:num_requests_running"].type == "gauge" and fams["tandem:generation_tokens"].type == "counter"
     gen0 = metric(fams, "tandem:generation_tokens_total", **labels)
@@ -778,12 +926,20 @@ def test_embedded_mode_serves_completions_and_models_without_redis(stack, tiny_l
     client = stack.client(server)
     name = Path(tiny_llama_dir).name
     assert [m.id for m in client.models.list().data] == [name]
-    out = client.completions.create(model=name, prompt="Once upon a time", max_tokens=5, temperature=0,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model=name, prompt="Once upon a time", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
-    chunks = list(client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
-                                                 max_tokens=4, stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[-1].usage.completion_tokens == 4
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model=name, prompt="Hi", max_tokens=2, temperature=-1)

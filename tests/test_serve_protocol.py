@@ -1,4 +1,4 @@
-"""OpenAI request checks and response shapes (runtime/server/protocol.py), and the Prometheus
+"""OpenAI request checks and response shapes (server/protocol.py), and the Prometheus
 rendering of serving metrics (runtime/metrics.py): plain data, no server, no model."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime import metrics
-from runtime.server import protocol
-from runtime.server.protocol import APIError
+from server import protocol
+from server.protocol import APIError
 
 
 def _param(fn, body) -> str:
@@ -21,13 +21,31 @@ def _param(fn, body) -> str:
     return info.value.param
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", -1), ("max_tokens", "12"), ("temperature", -0.5), ("top_p", 1.5), ("top_p", 0),
-    ("top_k", -3), ("min_tokens", 99), ("seed", "x"), ("stop_token_ids", [-1]), ("priority", 1.5),
-    ("n", 2), ("logprobs", 3), ("echo", True), ("stream", "yes"), ("request_timeout", 0),
-    ("presence_penalty", 5), ("bogus_field", 1), ("request_timeout", float("nan")),
-    ("temperature", float("inf")), ("temperature", float("nan")),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", -1),
+        ("max_tokens", "12"),
+        ("temperature", -0.5),
+        ("top_p", 1.5),
+        ("top_p", 0),
+        ("top_k", -3),
+        ("min_tokens", 99),
+        ("seed", "x"),
+        ("stop_token_ids", [-1]),
+        ("priority", 1.5),
+        ("n", 2),
+        ("logprobs", 3),
+        ("echo", True),
+        ("stream", "yes"),
+        ("request_timeout", 0),
+        ("presence_penalty", 5),
+        ("bogus_field", 1),
+        ("request_timeout", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", float("nan")),
+    ],
+)
 def test_each_bad_completion_field_is_refused_naming_it(field, value):
     body = {"prompt": "hi", "max_tokens": 8, field: value}
     assert _param(protocol.parse_completion, body) == field
@@ -38,31 +56,67 @@ def test_a_bad_prompt_is_refused_naming_prompt(prompt):
     assert _param(protocol.parse_completion, {"prompt": prompt}) == "prompt"
 
 
-@pytest.mark.parametrize("messages, param", [
-    ([], "messages"), (None, "messages"), ("hi", "messages"), ([{"role": "user"}], "messages[0].content"),
-    ([{"role": "robot", "content": "x"}], "messages[0].role"), (["x"], "messages[0]"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ([], "messages"),
+        (None, "messages"),
+        ("hi", "messages"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role"),
+        (["x"], "messages[0]"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0]"),
+    ],
+)
 def test_bad_messages_are_refused_naming_the_message(messages, param):
     assert _param(protocol.parse_chat, {"messages": messages}) == param
 
 
 def test_a_completion_keeps_vllm_extras_and_openai_stream_options():
-    gen = protocol.parse_completion({
-        "model": "m", "prompt": [[1, 2, 3]], "max_tokens": 4, "temperature": 0, "top_k": 5, "min_tokens": 2,
-        "seed": 7, "ignore_eos": True, "stop_token_ids": [9], "priority": -1, "stop": "END", "user": "u",
-        "stream": True, "stream_options": {"include_usage": True}, "request_timeout": 2.5,
-    })  # fmt: skip
-    assert gen.job == {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "top_k": 5, "min_tokens": 2,
-                       "seed": 7, "ignore_eos": True, "stop_token_ids": [9], "priority": -1, "stop": ["END"]}  # fmt: skip
+    gen = protocol.parse_completion(
+        {
+            "model": "m",
+            "prompt": [[1, 2, 3]],
+            "max_tokens": 4,
+            "temperature": 0,
+            "top_k": 5,
+            "min_tokens": 2,
+            "seed": 7,
+            "ignore_eos": True,
+            "stop_token_ids": [9],
+            "priority": -1,
+            "stop": "END",
+            "user": "u",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "request_timeout": 2.5,
+        }
+    )
+    assert gen.job == {
+        "prompt": [1, 2, 3],
+        "max_tokens": 4,
+        "temperature": 0,
+        "top_k": 5,
+        "min_tokens": 2,
+        "seed": 7,
+        "ignore_eos": True,
+        "stop_token_ids": [9],
+        "priority": -1,
+        "stop": ["END"],
+    }
     assert (gen.stream, gen.include_usage, gen.timeout_s, gen.model) == (True, True, 2.5, "m")
 
 
 def test_chat_takes_max_completion_tokens_and_text_parts():
-    gen = protocol.parse_chat({"messages": [{"role": "developer", "content": "be brief"},
-                                            {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                         {"type": "text", "text": "b"}]}],
-                               "max_completion_tokens": 3})  # fmt: skip
+    gen = protocol.parse_chat(
+        {
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
+            "max_completion_tokens": 3,
+        }
+    )
     assert gen.job["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
     assert gen.job["max_tokens"] == 3 and gen.id.startswith("chatcmpl-")
 
@@ -74,8 +128,9 @@ def test_usage_only_with_streaming():
 
 
 def test_stream_chunks_carry_null_usage_until_the_last():
-    gen = protocol.parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
-                               "stream_options": {"include_usage": True}})  # fmt: skip
+    gen = protocol.parse_chat(
+        {"messages": [{"role": "user", "content": "x"}], "stream": True, "stream_options": {"include_usage": True}}
+    )
     first = protocol.chunk(gen, "m", "", role=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""} and first["usage"] is None
     last = protocol.chunk(gen, "m", None, use=protocol.usage(3, 2), no_choices=True)
@@ -83,11 +138,16 @@ def test_stream_chunks_carry_null_usage_until_the_last():
 
 
 def _output(reason, tokens, error_code=None):
-    m = SimpleNamespace(arrival_time=0.0, first_scheduled_time=0.01, first_token_time=0.05 if tokens else None,
-                        finished_time=0.5,
-                        token_times=[0.05 + 0.05 * i for i in range(tokens)])  # fmt: skip
-    return SimpleNamespace(metrics=m, finish_reason=reason, error_code=error_code, prompt_token_ids=[1] * 10,
-                           token_ids=[2] * tokens)  # fmt: skip
+    m = SimpleNamespace(
+        arrival_time=0.0,
+        first_scheduled_time=0.01,
+        first_token_time=0.05 if tokens else None,
+        finished_time=0.5,
+        token_times=[0.05 + 0.05 * i for i in range(tokens)],
+    )
+    return SimpleNamespace(
+        metrics=m, finish_reason=reason, error_code=error_code, prompt_token_ids=[1] * 10, token_ids=[2] * tokens
+    )
 
 
 def test_metrics_render_as_prometheus_text_with_vllm_names():
@@ -97,8 +157,10 @@ def test_metrics_render_as_prometheus_text_with_vllm_names():
     m.observe_request(_output("abort", 0, "deadline_exceeded"))
     m.observe_vision_batch(4, [0.001, 0.002, 0.003, 0.2])
     snap = m.snapshot({"num_requests_running": 2, "kv_cache_usage_perc": 0.25})
-    cams = {"instance": "cams", "cameras": [{"camera": "door", "up": 0, "state": "retrying", "fps": 0,
-                                             "frames": 5, "drops": 2}]}  # fmt: skip
+    cams = {
+        "instance": "cams",
+        "cameras": [{"camera": "door", "up": 0, "state": "retrying", "fps": 0, "frames": 5, "drops": 2}],
+    }
     text = metrics.render([{"instance": "w1", "model_name": "m", "metrics": snap}, cams]).decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
@@ -125,8 +187,8 @@ def test_an_unreachable_redis_is_503_with_retry_after_not_a_crash():
 
     from fastapi.testclient import TestClient
 
-    from runtime.server.app import create_app
-    from runtime.server.backends import JobsBackend
+    from server.app import create_app
+    from server.backends import JobsBackend
     from workers.settings import JobSettings
 
     with socket.socket() as s:  # a port nothing listens on
@@ -134,8 +196,12 @@ def test_an_unreachable_redis_is_503_with_retry_after_not_a_crash():
         port = s.getsockname()[1]
     backend = JobsBackend(JobSettings(redis_url=f"redis://127.0.0.1:{port}/0", reconnect_s=0))
     with TestClient(create_app(backend)) as client:
-        for method, path, body in (("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "hi"}),
-                                   ("POST", "/v1/jobs", {"prompt": "hi"}), ("GET", "/v1/jobs/abc", None)):  # fmt: skip
+        for method, path, body in (
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/completions", {"prompt": "hi"}),
+            ("POST", "/v1/jobs", {"prompt": "hi"}),
+            ("GET", "/v1/jobs/abc", None),
+        ):
             resp = client.request(method, path, json=body)
             assert resp.status_code == 503 and resp.headers["retry-after"], (path, resp.text)
             assert "Redis" in resp.json()["error"]["message"]

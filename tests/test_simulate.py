@@ -24,8 +24,10 @@ def test_schedulers_match_the_seed_formula_for_other_workloads():
 
 def test_tandem_simulate_cli_prints_the_table():
     out = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "simulate", "--lengths", "5,50,8,12,40,3,30,7", "--slots", "4"],
-        capture_output=True, text=True, check=True,
+        [sys.executable, "-m", "tandem", "simulate", "--lengths", "5,50,8,12,40,3,30,7", "--slots", "4"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     lines = out.splitlines()
     assert any(line.split()[:3] == ["static", "90", "43%"] for line in lines), out
@@ -34,7 +36,8 @@ def test_tandem_simulate_cli_prints_the_table():
 
 def test_simulate_rejects_bad_lengths():
     bad = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "simulate", "--lengths", "5,x", "--slots", "4"],
-        capture_output=True, text=True,
+        [sys.executable, "-m", "tandem", "simulate", "--lengths", "5,x", "--slots", "4"],
+        capture_output=True,
+        text=True,
     )
     assert bad.returncode != 0 and "--lengths" in bad.stderr

@@ -10,9 +10,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from sources import FileSource, SourceError, StreamConfig, StreamsSource, load_source, parse_streams_file  # noqa: E402
-from sources.loopback import MjpegServer, dead_url  # noqa: E402
-from stream_helpers import take_until  # noqa: E402
+from stream_helpers import take_until
+
+from sources import FileSource, SourceError, StreamConfig, StreamsSource, load_source, parse_streams_file
+from sources.loopback import MjpegServer, dead_url
 
 
 def _image(path, h=48, w=64, value=90):
@@ -72,12 +73,15 @@ def test_video_every_frame_and_stride(tmp_path):
     assert [f.index for f in strided] == [0, 3, 6] and strided.total == 3
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: str(p / "nope.jpg"), "source not found"),
-    (lambda p: (p / "empty").mkdir() or str(p / "empty"), "holds no images"),
-    (lambda p: str(p / "*.webp"), "matches no images"),
-    (lambda p: (p / "blank.txt").write_text("\n# only a comment\n") and str(p / "blank.txt"), "names no files"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: str(p / "nope.jpg"), "source not found"),
+        (lambda p: (p / "empty").mkdir() or str(p / "empty"), "holds no images"),
+        (lambda p: str(p / "*.webp"), "matches no images"),
+        (lambda p: (p / "blank.txt").write_text("\n# only a comment\n") and str(p / "blank.txt"), "names no files"),
+    ],
+)
 def test_sources_that_cannot_start_raise_clear_errors(tmp_path, make, message):
     with pytest.raises(SourceError, match=message):
         load_source(make(tmp_path))
@@ -130,6 +134,7 @@ def test_dead_stream_is_reported_and_live_streams_keep_producing(tmp_path):
         f.write_text(f"{a.url}\n{dead_url()}\n{b.url}\n")
         src = load_source(str(f), stream_config=StreamConfig(backoff_initial_s=0.1, backoff_max_s=0.2))
         try:
+
             def both_live_while_it_retries(frames, retries, live):
                 return src.health()[1].reconnects >= retries and min(_ok_from(frames, 0), _ok_from(frames, 2)) >= live
 

@@ -17,11 +17,11 @@ import threading
 import time
 
 import pytest
+from test_jobs_support import REPO, RedisServer, wait_for
 
 from runtime import metrics
 from sources.loopback import MjpegServer, dead_url, synthetic_frames
 from sources.stream_reader import StreamConfig
-from test_jobs_support import REPO, RedisServer, wait_for
 from workers.cameras import CONTROL_KEY, STREAM_KEY, CameraService
 from workers.cameras_http import create_app, main
 from workers.store import connect
@@ -149,6 +149,7 @@ def test_live_cameras_deliver_to_redis_while_dead_and_stalled_ones_are_retried(r
     # The others never wait for them: both live cameras keep delivering while the dead retry.
     done = {name: _row(service, name)["frames"] for name in ("a", "b")}
     retries = _row(service, "dead")["reconnects"]
+
     def more() -> bool:
         frames = all(_row(service, n)["frames"] >= done[n] + 10 for n in done)
         return frames and _row(service, "dead")["reconnects"] > retries

@@ -88,7 +88,9 @@ def paged_sequences(lengths: list[int], block_size: int, hd: int, dtype: torch.d
         assert len(blocks) == nb, "not enough blocks"
         k = torch.randn(n, NKV, hd, generator=g).to(dtype)
         v = torch.randn(n, NKV, hd, generator=g).to(dtype)
-        slots = (torch.tensor(blocks).repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(nb))[:n]
+        slots = (torch.tensor(blocks).repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(nb))[
+            :n
+        ]
         write(k_cache, v_cache, k, v, slots)
         tables.append(blocks + [junk_block] * (nblk - nb))
         seqs.append((k, v))
@@ -231,7 +233,9 @@ def test_prefill_chunks_equal_full_causal_pass_and_decode():
 
     def prefill(lo, hi):
         cu = torch.tensor([0, hi - lo], dtype=torch.int32)
-        return ta.paged_prefill_attention(q[lo:hi], k_cache, v_cache, tables, cu, torch.tensor([hi], dtype=torch.int32), scale)
+        return ta.paged_prefill_attention(
+            q[lo:hi], k_cache, v_cache, tables, cu, torch.tensor([hi], dtype=torch.int32), scale
+        )
 
     full = prefill(0, n)
     chunked = torch.cat([prefill(lo, hi) for lo, hi in ((0, 9), (9, 10), (10, 30), (30, n))])
@@ -247,9 +251,13 @@ def test_prefill_chunks_equal_full_causal_pass_and_decode():
 def _decode_args():
     k_cache = torch.zeros(4, 16, 2, 64)
     return dict(
-        q=torch.zeros(3, 6, 64), k_cache=k_cache, v_cache=k_cache.clone(),
-        block_tables=torch.zeros(3, 2, dtype=torch.int32), context_lens=torch.ones(3, dtype=torch.int32), scale=0.125,
-    )  # fmt: skip
+        q=torch.zeros(3, 6, 64),
+        k_cache=k_cache,
+        v_cache=k_cache.clone(),
+        block_tables=torch.zeros(3, 2, dtype=torch.int32),
+        context_lens=torch.ones(3, dtype=torch.int32),
+        scale=0.125,
+    )
 
 
 @pytest.mark.parametrize(
@@ -260,7 +268,10 @@ def _decode_args():
         (dict(q=torch.zeros(3, 6, 32)), "head_dim"),
         (dict(q=torch.zeros(3, 6, 64, dtype=torch.float64)), "q"),
         (dict(q=torch.zeros(3, 6, 64, dtype=torch.float16)), "k_cache dtype"),
-        (dict(k_cache=torch.zeros(4, 16, 2, 48), v_cache=torch.zeros(4, 16, 2, 48), q=torch.zeros(3, 6, 48)), "head_dim"),
+        (
+            dict(k_cache=torch.zeros(4, 16, 2, 48), v_cache=torch.zeros(4, 16, 2, 48), q=torch.zeros(3, 6, 48)),
+            "head_dim",
+        ),
         (dict(v_cache=torch.zeros(4, 8, 2, 64)), "v_cache"),
         (dict(block_tables=torch.zeros(3, 2)), "block_tables"),
         (dict(block_tables=torch.zeros(2, 2, dtype=torch.int32)), "block_tables"),
@@ -279,13 +290,24 @@ def test_prefill_and_write_kv_reject_bad_arguments():
     a = _decode_args()
     cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_q_lens"):
-        ta.paged_prefill_attention(a["q"], a["k_cache"], a["v_cache"], a["block_tables"], cu[:3], a["context_lens"], 0.125)
+        ta.paged_prefill_attention(
+            a["q"], a["k_cache"], a["v_cache"], a["block_tables"], cu[:3], a["context_lens"], 0.125
+        )
     with pytest.raises(ValueError, match="max_q_len"):
-        ta.paged_prefill_attention(a["q"], a["k_cache"], a["v_cache"], a["block_tables"], cu, a["context_lens"], 0.125,
-                                   max_q_len=0)  # fmt: skip
+        ta.paged_prefill_attention(
+            a["q"], a["k_cache"], a["v_cache"], a["block_tables"], cu, a["context_lens"], 0.125, max_q_len=0
+        )
     with pytest.raises(ValueError, match="out"):
-        ta.paged_prefill_attention(a["q"], a["k_cache"], a["v_cache"], a["block_tables"], cu, a["context_lens"], 0.125,
-                                   out=torch.zeros(3, 6, 32))  # fmt: skip
+        ta.paged_prefill_attention(
+            a["q"],
+            a["k_cache"],
+            a["v_cache"],
+            a["block_tables"],
+            cu,
+            a["context_lens"],
+            0.125,
+            out=torch.zeros(3, 6, 32),
+        )
     k = torch.zeros(2, 2, 64)
     with pytest.raises(ValueError, match="k must have shape"):
         ta.write_kv(a["k_cache"], a["v_cache"], torch.zeros(2, 3, 64), k, torch.zeros(2, dtype=torch.int32))
@@ -325,8 +347,14 @@ def test_interpreter_needs_the_flag_before_import():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def run(pre: str, post: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", code.format(pre=pre, post=post)], capture_output=True,
-                              text=True, env=env, cwd=root, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-c", code.format(pre=pre, post=post)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=root,
+            timeout=120,
+        )
 
     before = run(flag, "")
     assert before.returncode == 0 and before.stdout.strip() == "ok", before.stderr[-2000:]

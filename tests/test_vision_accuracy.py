@@ -32,7 +32,9 @@ def test_set(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def float32_map(test_set) -> dict:
-    return ev.evaluate_engine(VisionConfig(model=str(detector.WEIGHTS), imgsz=detector.IMGSZ, dtype="float32"), test_set)
+    return ev.evaluate_engine(
+        VisionConfig(model=str(detector.WEIGHTS), imgsz=detector.IMGSZ, dtype="float32"), test_set
+    )
 
 
 def test_shipped_detector_is_trained(float32_map):
@@ -52,10 +54,14 @@ def test_float32_matches_ultralytics_predict(test_set, float32_map):
     paths = ev.image_files(test_set)
     preds = {}
     for path in paths:
-        r = model.predict(str(path), imgsz=detector.IMGSZ, conf=ev.EVAL_CONF, max_det=300, device="cpu", verbose=False,
-                          nms=False)[0]  # the end-to-end head, which Tandem runs by default
+        r = model.predict(
+            str(path), imgsz=detector.IMGSZ, conf=ev.EVAL_CONF, max_det=300, device="cpu", verbose=False, nms=False
+        )[0]  # the end-to-end head, which Tandem runs by default
         preds[ev.image_key(test_set, "test", path)] = {
-            "boxes": r.boxes.xyxy.numpy(), "conf": r.boxes.conf.numpy(), "cls": r.boxes.cls.numpy()}
+            "boxes": r.boxes.xyxy.numpy(),
+            "conf": r.boxes.conf.numpy(),
+            "cls": r.boxes.cls.numpy(),
+        }
     theirs = ev.evaluate(preds, test_set)
     assert theirs["map50_95"] == pytest.approx(float32_map["map50_95"], abs=2e-3), (theirs, float32_map)
 
@@ -67,7 +73,8 @@ def test_default_fast_path_keeps_map_within_half_a_point(test_set, float32_map):
     drop = float32_map["map50_95"] - fast["map50_95"]
     assert drop <= MAX_DROP, (
         f"dtype auto -> {config.resolved_dtype()} loses {drop * 100:.2f} mAP points against float32 "
-        f"({fast['map50_95']:.4f} vs {float32_map['map50_95']:.4f}); the limit for a default is 0.5")
+        f"({fast['map50_95']:.4f} vs {float32_map['map50_95']:.4f}); the limit for a default is 0.5"
+    )
 
 
 def test_default_fast_path_keeps_the_nms_head_within_half_a_point_too(test_set):
@@ -78,7 +85,9 @@ def test_default_fast_path_keeps_the_nms_head_within_half_a_point_too(test_set):
     ref = ev.evaluate_engine(VisionConfig(dtype="float32", **base), test_set)
     fast = ev.evaluate_engine(VisionConfig(**base), test_set)
     drop = ref["map50_95"] - fast["map50_95"]
-    assert drop <= MAX_DROP, f"NMS head, dtype auto: -{drop * 100:.2f} mAP points ({fast['map50_95']:.4f} vs {ref['map50_95']:.4f})"
+    assert drop <= MAX_DROP, (
+        f"NMS head, dtype auto: -{drop * 100:.2f} mAP points ({fast['map50_95']:.4f} vs {ref['map50_95']:.4f})"
+    )
 
 
 def test_bfloat16_keeps_the_box_regression_in_float32():

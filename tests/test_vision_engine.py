@@ -18,15 +18,15 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ultralytics.utils import ASSETS  # noqa: E402
+from ultralytics.utils import ASSETS
 
-from runtime.memory import DeviceMemoryManager, MemoryConfig  # noqa: E402
-from runtime.vision.batch import VisionJob, resolve, run_batch  # noqa: E402
-from runtime.vision.config import VisionConfig, vision_batching  # noqa: E402
-from runtime.vision.engine import EngineClosedError, VisionEngine, VisionInputError  # noqa: E402
-from runtime.vision.postprocess import Detections  # noqa: E402
-from schedulers import Batch, QueueFullError  # noqa: E402
-from sources.base import Frame  # noqa: E402
+from runtime.memory import DeviceMemoryManager, MemoryConfig
+from runtime.vision.batch import VisionJob, resolve, run_batch
+from runtime.vision.config import VisionConfig, vision_batching
+from runtime.vision.engine import EngineClosedError, VisionEngine, VisionInputError
+from runtime.vision.postprocess import Detections
+from schedulers import Batch, QueueFullError
+from sources.base import Frame
 
 BUS = str(ASSETS / "bus.jpg")
 SAFETY_S = 60  # an upper bound on any wait; reaching it means the test failed
@@ -122,8 +122,13 @@ def test_every_input_kind_resolves_and_bad_inputs_fail_only_their_own_future(eng
         assert d.orig_shape == image.shape[:2] and len(d) > 0
         assert {"preprocess", "inference", "postprocess", "queue"} <= set(d.timings)
     np.testing.assert_allclose(futures["path"].result().boxes, futures["array"].result().boxes, atol=1e-2)
-    for key, text in [("missing", "file not found"), ("corrupt", "cannot decode"), ("float", "uint8"),
-                      ("object", "expected a numpy array"), ("error_frame", "went away")]:
+    for key, text in [
+        ("missing", "file not found"),
+        ("corrupt", "cannot decode"),
+        ("float", "uint8"),
+        ("object", "expected a numpy array"),
+        ("error_frame", "went away"),
+    ]:
         with pytest.raises(VisionInputError, match=text):
             futures[key].result(timeout=SAFETY_S)
     assert engine.submit(BUS).result(timeout=SAFETY_S) is not None  # the loop keeps serving
@@ -174,7 +179,7 @@ def test_queue_timeout_and_queue_full():
         second = eng.submit(BUS)
         gate.wait(prepared=2)  # `second` waits in the hand-off slot; the rest stay queued
         # Due long before the batcher next looks: that is only once the first forward is done.
-        timed = eng.submit(BUS, timeout_ms=0.001)
+        timed = eng.submit(BUS, deadline_s=1e-6)
         kept = eng.submit(BUS)
         with pytest.raises(QueueFullError, match="max_queue_size=2"):
             eng.submit(BUS)
@@ -280,8 +285,11 @@ def test_a_failing_batch_fails_only_its_own_requests_and_the_threads_go_on():
 
     eng.runner.prepare, eng.runner.infer = prepare, infer
     try:
-        for message in ["preprocessing failed .*staging buffer lost", "inference failed .*device lost",
-                        "inference failed .*returned 0 results for 1 inputs"]:
+        for message in [
+            "preprocessing failed .*staging buffer lost",
+            "inference failed .*device lost",
+            "inference failed .*returned 0 results for 1 inputs",
+        ]:
             with pytest.raises(RuntimeError, match=message):
                 eng.submit(BUS).result(timeout=SAFETY_S)
         assert all(isinstance(f.result(timeout=SAFETY_S), Detections) for f in [eng.submit(BUS) for _ in range(4)])
@@ -321,7 +329,9 @@ def test_close_without_drain_fails_queued_requests_and_finishes_running_ones():
 
 def test_profiling_picks_a_preferred_size_and_memory_is_reserved():
     memory = DeviceMemoryManager(MemoryConfig(budget_bytes=2**30))
-    eng = VisionEngine(_config(profile=True, batching={"max_batch_size": 2}, profile_iters=1, dtype="float32"), memory=memory)
+    eng = VisionEngine(
+        _config(profile=True, batching={"max_batch_size": 2}, profile_iters=1, dtype="float32"), memory=memory
+    )
     try:
         assert set(eng.profile_rates) == {1, 2} and all(r > 0 for r in eng.profile_rates.values())
         assert eng.preferred_batch_sizes == (eng.runner.best_batch_size(eng.profile_rates),)
@@ -425,16 +435,21 @@ def test_resolve_skips_cancelled_and_done_futures():
 # -- config --
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"imgsz": 100}, "multiple of 32"), ({"conf": 1.5}, r"conf must be a number in \[0, 1\]"),
-    ({"dtype": "int8"}, "dtype must be one of"), ({"device": "tpu"}, "device must be"),
-    ({"batching": {"max_batch_size": 0}}, "batching.max_batch_size must be an integer >= 1"),
-    ({"batching": {"preferred_batch_sizes": [16]}}, r"batching.preferred_batch_sizes .*\[1, max_batch_size=8\]"),
-    ({"batching": {"max_queue_delay_ms": -1}}, "batching.max_queue_delay_ms must be a number >= 0"),
-    ({"batching": {"max_batch": 4}}, "unknown batching field.*'batching.max_batch'"),
-    ({"max_batch_size": 4, "color": 1}, "unknown VisionConfig field.*'color', 'max_batch_size'.*under 'batching'"),
-    ({"batching": [4]}, "batching must be a schedulers.DynamicBatchConfig"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"imgsz": 100}, "multiple of 32"),
+        ({"conf": 1.5}, r"conf must be a number in \[0, 1\]"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"device": "tpu"}, "device must be"),
+        ({"batching": {"max_batch_size": 0}}, "batching.max_batch_size must be an integer >= 1"),
+        ({"batching": {"preferred_batch_sizes": [16]}}, r"batching.preferred_batch_sizes .*\[1, max_batch_size=8\]"),
+        ({"batching": {"max_queue_delay_ms": -1}}, "batching.max_queue_delay_ms must be a number >= 0"),
+        ({"batching": {"max_batch": 4}}, "unknown batching field.*'batching.max_batch'"),
+        ({"max_batch_size": 4, "color": 1}, "unknown VisionConfig field.*'color', 'max_batch_size'.*under 'batching'"),
+        ({"batching": [4]}, "batching must be a schedulers.DynamicBatchConfig"),
+    ],
+)
 def test_config_errors_name_the_field_and_range(fields, message):
     with pytest.raises(ValueError, match=message):
         VisionConfig.from_dict(fields)

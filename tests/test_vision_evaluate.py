@@ -85,8 +85,10 @@ def test_class_swap_zeroes_those_classes(split, labels):
 
 def test_predictions_json_round_trip(split, labels, tmp_path):
     rng = np.random.default_rng(0)
-    preds = {k: {"boxes": b + rng.normal(0, 3, b.shape), "conf": rng.uniform(0.001, 1, len(c)), "cls": c}
-             for k, (c, b) in labels.items()}
+    preds = {
+        k: {"boxes": b + rng.normal(0, 3, b.shape), "conf": rng.uniform(0.001, 1, len(c)), "cls": c}
+        for k, (c, b) in labels.items()
+    }
     path = tmp_path / "preds.json"
     ev.save_predictions(preds, path)
     back = ev.load_predictions(path)
@@ -191,15 +193,25 @@ def test_scores_the_validators_own_predictions_as_it_does(split, monkeypatch, tm
         for i, p in enumerate(preds):
             assert batch["img"].shape[-2:] == (160, 160)  # square inputs: boxes are in image pixels
             captured[Path(batch["im_file"][i]).name] = {
-                "boxes": p["bboxes"].cpu().numpy().copy(), "conf": p["conf"].cpu().numpy().copy(),
+                "boxes": p["bboxes"].cpu().numpy().copy(),
+                "conf": p["conf"].cpu().numpy().copy(),
                 "cls": p["cls"].cpu().numpy().copy(),
             }
         return update(self, preds, batch)
 
     monkeypatch.setattr(DetectionValidator, "update_metrics", capture)
     metrics = YOLO(str(detector.WEIGHTS)).val(
-        data=f"{split}/data.yaml", imgsz=160, batch=1, conf=ev.EVAL_CONF, nms=False, rect=False, plots=False,
-        verbose=False, project=str(tmp_path), name="val", exist_ok=True,
+        data=f"{split}/data.yaml",
+        imgsz=160,
+        batch=1,
+        conf=ev.EVAL_CONF,
+        nms=False,
+        rect=False,
+        plots=False,
+        verbose=False,
+        project=str(tmp_path),
+        name="val",
+        exist_ok=True,
     )
     assert len(captured) == 24 and float(metrics.box.map) > 0.02
     ours = ev.evaluate(captured, split)
@@ -208,11 +220,11 @@ def test_scores_the_validators_own_predictions_as_it_does(split, monkeypatch, tm
 
 
 def test_peer_script_writes_what_the_evaluator_reads(split):
-    """runtime/vision/bench_peers.py runs under a peer's Python and cannot import Tandem: its
+    """benchmarks/vision_peers.py runs under a peer's Python and cannot import Tandem: its
     predictions record must still be the format evaluate.py reads, one entry per image."""
     import argparse
 
-    from runtime.vision import bench_peers
+    from benchmarks import vision_peers as bench_peers
 
     args = argparse.Namespace(imgsz=160, device="cpu", eval_dir=split, eval_split="test")
     record = bench_peers.predictions("yolo26n.yaml", args)

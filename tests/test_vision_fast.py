@@ -20,17 +20,16 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ultralytics.utils import ASSETS  # noqa: E402
+from conftest import VISION_IMGSZ, calibrated_yolo
+from ultralytics.utils import ASSETS
 
-from conftest import VISION_IMGSZ, calibrated_yolo  # noqa: E402
-
-from runtime.dtypes import cpu_has_native_bf16  # noqa: E402
-from runtime.vision import jit  # noqa: E402
-from runtime.vision.config import VisionConfig, vision_batching  # noqa: E402
-from runtime.vision.engine import VisionEngine  # noqa: E402
-from runtime.vision.model import LoadedModel  # noqa: E402
-from runtime.vision.preprocess import to_tensor  # noqa: E402
-from runtime.vision.runner import YoloRunner  # noqa: E402
+from runtime.dtypes import cpu_has_native_bf16
+from runtime.vision import jit
+from runtime.vision.config import VisionConfig, vision_batching
+from runtime.vision.engine import VisionEngine
+from runtime.vision.model import LoadedModel
+from runtime.vision.preprocess import to_tensor
+from runtime.vision.runner import YoloRunner
 
 IMGSZ = VISION_IMGSZ
 PATHS = [str(ASSETS / "bus.jpg"), str(ASSETS / "zidane.jpg")]
@@ -48,7 +47,9 @@ def runner(net):
 
     def get(end2end: bool, jit: bool = True) -> YoloRunner:
         if (end2end, jit) not in cache:
-            cache[end2end, jit] = YoloRunner(VisionConfig(dtype="float32", imgsz=IMGSZ, conf=0.05, end2end=end2end, jit=jit), module=net)
+            cache[end2end, jit] = YoloRunner(
+                VisionConfig(dtype="float32", imgsz=IMGSZ, conf=0.05, end2end=end2end, jit=jit), module=net
+            )
         return cache[end2end, jit]
 
     return get
@@ -108,8 +109,7 @@ class _BakesTheHeight(nn.Module):
 
 
 def test_a_graph_that_baked_a_shape_is_refused():
-    model = LoadedModel(_BakesTheHeight(), {0: "a"}, 32, False, False, "test", torch.device("cpu"),
-                        torch.float32, True)  # fmt: skip
+    model = LoadedModel(_BakesTheHeight(), {0: "a"}, 32, False, False, "test", torch.device("cpu"), torch.float32, True)
     with pytest.warns(RuntimeWarning, match="disagrees with the eager model"):
         assert jit.build_graph(model, 64) is False
     assert model.graph is None
@@ -118,7 +118,9 @@ def test_a_graph_that_baked_a_shape_is_refused():
 def test_seeded_builds_share_one_graph():
     a, b = (YoloRunner(VisionConfig(dtype="float32", imgsz=160, seed=7)) for _ in range(2))
     assert a.model.graph is not None and a.model.graph is b.model.graph
-    assert YoloRunner(VisionConfig(dtype="float32", imgsz=160, seed=8)).model.graph is not a.model.graph  # other weights
+    assert (
+        YoloRunner(VisionConfig(dtype="float32", imgsz=160, seed=8)).model.graph is not a.model.graph
+    )  # other weights
 
 
 def test_workers_give_the_runners_results(net, runner, images):
@@ -127,7 +129,9 @@ def test_workers_give_the_runners_results(net, runner, images):
     The first two batches meet at a barrier inside `infer`: it opens only when two threads run
     a batch at once, so one worker, or two that take turns, leave it broken."""
     batching = vision_batching(max_batch_size=2, max_queue_delay_ms=0.0)
-    config = VisionConfig(dtype="float32", imgsz=IMGSZ, conf=0.05, workers=2, num_threads=1, profile=False, batching=batching)
+    config = VisionConfig(
+        dtype="float32", imgsz=IMGSZ, conf=0.05, workers=2, num_threads=1, profile=False, batching=batching
+    )
     threads = torch.get_num_threads()
     side_by_side = threading.Barrier(2)
     ran_on: list[str] = []  # the thread of every batch, in the order they started

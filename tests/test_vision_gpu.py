@@ -2,7 +2,7 @@
 (reused per shape, per thread, waiting on the copy that last read them), the CPU path left as
 it was (no stream, no event, no pinning, the same input tensor), the comparisons the GPU check
 reports, and the check itself exiting 2 without CUDA. The GPU half runs in
-`python -m runtime.vision.gpu_check` on a CUDA machine.
+`python -m benchmarks.gpu_vision` on a CUDA machine.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from runtime.vision import gpu_check  # noqa: E402
-from runtime.vision.config import VisionConfig  # noqa: E402
-from runtime.vision.postprocess import Detections  # noqa: E402
-from runtime.vision.preprocess import BatchBuffers, letterbox_into, plan_letterbox, to_tensor  # noqa: E402
-from runtime.vision.runner import YoloRunner  # noqa: E402
+from benchmarks import gpu_vision as gpu_check
+from runtime.vision.config import VisionConfig
+from runtime.vision.postprocess import Detections
+from runtime.vision.preprocess import BatchBuffers, letterbox_into, plan_letterbox, to_tensor
+from runtime.vision.runner import YoloRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
@@ -99,7 +99,9 @@ def test_to_tensor_on_cpu_is_unchanged():
     same = to_tensor(batch, torch.device("cpu"), pinned=torch.from_numpy(batch))
     assert torch.equal(same, old)
     half = to_tensor(batch, torch.device("cpu"), torch.bfloat16)
-    assert half.dtype == torch.bfloat16 and torch.equal(half, torch.from_numpy(batch).flip(3).permute(0, 3, 1, 2).to(torch.bfloat16).div_(255))
+    assert half.dtype == torch.bfloat16 and torch.equal(
+        half, torch.from_numpy(batch).flip(3).permute(0, 3, 1, 2).to(torch.bfloat16).div_(255)
+    )
 
 
 def _expected(image: np.ndarray, imgsz: int) -> torch.Tensor:
@@ -139,15 +141,22 @@ def test_gpu_check_exits_2_without_cuda(tmp_path, capsys):
 
 @no_cuda
 def test_gpu_check_module_entry_point_exits_2_without_cuda(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "runtime.vision.gpu_check", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_vision", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
-    assert "runtime.vision.gpu_check: no CUDA device" in proc.stderr
+    assert "benchmarks.gpu_vision: no CUDA device" in proc.stderr
 
 
 def _dets(rows: list[tuple[float, float, float, float, float, int]]) -> Detections:
     a = np.array(rows, dtype=np.float32).reshape(-1, 6)
-    return Detections(a[:, :4].copy(), a[:, 4].copy(), a[:, 5].astype(np.int64), [str(int(c)) for c in a[:, 5]], (100, 100))
+    return Detections(
+        a[:, :4].copy(), a[:, 4].copy(), a[:, 5].astype(np.int64), [str(int(c)) for c in a[:, 5]], (100, 100)
+    )
 
 
 def test_match_is_one_to_one_same_class_highest_iou_first():
@@ -180,7 +189,11 @@ def test_box_errors_report_pixels_and_missing_boxes():
 
 
 def test_inverted_and_zero_width_boxes_of_random_weights_match_themselves():
-    boxes = [(0, 240, 240, 0, 0.5, 3), (94.9, 0, 0, 92.1, 0.4, 1), (0, 10, 0, 50, 0.3, 2)]  # as a random head gives them
+    boxes = [
+        (0, 240, 240, 0, 0.5, 3),
+        (94.9, 0, 0, 92.1, 0.4, 1),
+        (0, 10, 0, 50, 0.3, 2),
+    ]  # as a random head gives them
     dets = [_dets(boxes)]
     assert gpu_check.agreement(dets, dets)["kept_share"] == 1.0
 
@@ -194,8 +207,11 @@ def test_host_pool_path_gives_the_inline_results_and_keeps_bad_inputs_to_themsel
     from schedulers import Batch
 
     rng = np.random.default_rng(2)
-    images = [rng.integers(0, 256, (120, 200, 3), dtype=np.uint8), rng.integers(0, 256, (200, 120, 3), dtype=np.uint8),
-              rng.integers(0, 256, (120, 200, 3), dtype=np.uint8)]  # fmt: skip
+    images = [
+        rng.integers(0, 256, (120, 200, 3), dtype=np.uint8),
+        rng.integers(0, 256, (200, 120, 3), dtype=np.uint8),
+        rng.integers(0, 256, (120, 200, 3), dtype=np.uint8),
+    ]
     payloads = [images[0], np.zeros((4, 4), np.float64), images[1], images[2]]  # the second cannot be decoded
     runner = YoloRunner(VisionConfig(dtype="float32", imgsz=160, jit=False))
     assert runner.host_pool is None  # CPU: inline

@@ -17,13 +17,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ultralytics import YOLO  # noqa: E402
-from ultralytics.utils import ASSETS  # noqa: E402
+from conftest import VISION_IMGSZ, calibrated_yolo
+from ultralytics import YOLO
+from ultralytics.utils import ASSETS
 
-from conftest import VISION_IMGSZ, calibrated_yolo  # noqa: E402
-
-from runtime.vision.config import VisionConfig  # noqa: E402
-from runtime.vision.runner import YoloRunner  # noqa: E402
+from runtime.vision.config import VisionConfig
+from runtime.vision.runner import YoloRunner
 
 IMGSZ = VISION_IMGSZ
 CONF = 0.05
@@ -61,7 +60,9 @@ def test_detections_match_ultralytics_predict(yolo, end2end):
 
 
 def test_raw_head_outputs_match(yolo):
-    runner = YoloRunner(VisionConfig(dtype="float32", imgsz=IMGSZ, end2end=False, channels_last=True), module=yolo.model)
+    runner = YoloRunner(
+        VisionConfig(dtype="float32", imgsz=IMGSZ, end2end=False, channels_last=True), module=yolo.model
+    )
     (ref,) = yolo.predict(PATHS[0], imgsz=IMGSZ, verbose=False)  # sets up predictor.model (fused copy)
     image = cv2.imread(PATHS[0])
     x = yolo.predictor.preprocess([image])

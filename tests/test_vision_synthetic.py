@@ -21,7 +21,9 @@ def test_same_seed_same_dataset_other_seed_other(tmp_path):
 
 def test_labels_are_normalised_boxes_of_known_classes(tmp_path):
     data = write_dataset(tmp_path, train=20, val=0, imgsz=96, seed=0)
-    rows = [line.split() for f in (data.parent / "labels" / "train").glob("*.txt") for line in f.read_text().splitlines()]
+    rows = [
+        line.split() for f in (data.parent / "labels" / "train").glob("*.txt") for line in f.read_text().splitlines()
+    ]
     assert rows and all(len(r) == 5 for r in rows)
     for cls, cx, cy, w, h in ((int(r[0]), *map(float, r[1:])) for r in rows):
         assert 0 <= cls < len(CLASSES)
@@ -36,7 +38,7 @@ def test_each_box_is_tight_around_what_was_drawn():
     checked = 0
     for _ in range(40):
         img, labels = draw_image(rng, 128, max_objects=1)
-        (cls, x1, y1, x2, y2), = labels
+        ((cls, x1, y1, x2, y2),) = labels
         # The background is noise around one colour: pixels far from the median colour are painted.
         diff = np.abs(img.astype(int) - np.median(img.reshape(-1, 3), axis=0)).sum(-1)
         ys, xs = np.nonzero(diff > 150)

@@ -4,7 +4,6 @@ LLM-only worker (a tiny random Llama) and a vision-only worker (YOLO26n, random 
 from __future__ import annotations
 
 import base64
-import json
 import os
 import shutil
 import subprocess
@@ -49,9 +48,13 @@ def env(tmp_path_factory, tiny_llama_dir):
     redis = RedisServer(tmp).start()
     settings = JobSettings(redis_url=redis.url)
     llm = WorkerProcess("llm@test", redis.url, tmp, tiny_worker_args(tiny_llama_dir))
-    vision = WorkerProcess("vision@test", redis.url, tmp,
-                           ["--queues", "vision", "--imgsz", "320", "--vision-max-batch-size", "2"],
-                           env={"TANDEM_ALLOWED_ROOTS": str(images)})  # fmt: skip
+    vision = WorkerProcess(
+        "vision@test",
+        redis.url,
+        tmp,
+        ["--queues", "vision", "--imgsz", "320", "--vision-max-batch-size", "2"],
+        env={"TANDEM_ALLOWED_ROOTS": str(images)},
+    )
     e = Env(redis, llm, vision, settings, images)
     try:
         llm.wait_ready(e.producer)
@@ -65,15 +68,18 @@ def env(tmp_path_factory, tiny_llama_dir):
 
 
 def test_importing_the_workers_package_loads_no_torch_and_reads_no_config():
-    code = ("import sys, workers, workers.app, workers.tasks, workers.client, workers.worker; "
-            "assert 'torch' not in sys.modules, 'torch'; "
-            "assert not workers.app.app.configured, 'configured at import'")  # fmt: skip
+    code = (
+        "import sys, workers, workers.app, workers.tasks, workers.client, workers.worker; "
+        "assert 'torch' not in sys.modules, 'torch'; "
+        "assert not workers.app.app.configured, 'configured at import'"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
 
 def test_a_plain_celery_client_runs_tandem_generate_by_name(env):
-    sent = env.celery.send_task("tandem.generate", kwargs={"prompt": "Hello", "max_tokens": 5, "temperature": 0},
-                                queue="llm")  # fmt: skip
+    sent = env.celery.send_task(
+        "tandem.generate", kwargs={"prompt": "Hello", "max_tokens": 5, "temperature": 0}, queue="llm"
+    )
     result = sent.get(timeout=60)
     assert set(result) == RESULT_KEYS
     assert len(result["token_ids"]) == 5 and result["finish_reason"] == "length"
@@ -156,8 +162,20 @@ def test_a_job_whose_message_was_lost_after_it_was_taken_still_runs(env):
     job_id, kwargs = "lost-1", {"prompt": "lost on the way", "max_tokens": 3}
     message = task_message("tandem.generate", job_id, kwargs, "llm", 3, ignore_result=True)
     pipe = env.redis_client().pipeline(transaction=True)  # submit, then the dying worker's take
-    pipe.eval(lua.SUBMIT, 0, PREFIX, job_id, "tandem.generate", "llm", digest("tandem.generate", kwargs), message,
-              "llm\x06\x163", time.time(), 60, 3)  # fmt: skip
+    pipe.eval(
+        lua.SUBMIT,
+        0,
+        PREFIX,
+        job_id,
+        "tandem.generate",
+        "llm",
+        digest("tandem.generate", kwargs),
+        message,
+        "llm\x06\x163",
+        time.time(),
+        60,
+        3,
+    )
     pipe.lrem("llm\x06\x163", 1, message)
     assert pipe.execute() == [["new", "queued"], 1]
     t0 = time.monotonic()
@@ -170,8 +188,9 @@ def test_a_job_whose_message_was_lost_after_it_was_taken_still_runs(env):
 def test_a_plain_celery_client_sees_a_cancelled_job_as_revoked(env):
     from celery.exceptions import TaskRevokedError
 
-    sent = env.celery.send_task("tandem.generate", kwargs={"prompt": "Count", "max_tokens": 1000, "ignore_eos": True},
-                                queue="llm")  # fmt: skip
+    sent = env.celery.send_task(
+        "tandem.generate", kwargs={"prompt": "Count", "max_tokens": 1000, "ignore_eos": True}, queue="llm"
+    )
     wait_for(lambda: _running(env, sent.id), 60, "the task to start")
     assert env.jobs.cancel(sent.id) is True
     with pytest.raises(TaskRevokedError):
@@ -209,8 +228,13 @@ def test_cancel_of_a_running_job_stops_it_and_frees_its_kv_blocks(env):
 def test_a_pickled_message_is_refused_and_never_executed(env):
     pickler = make_app(env.settings)
     pickler.conf.update(task_serializer="pickle", accept_content=["json", "pickle"])
-    pickler.send_task("tandem.generate", kwargs={"prompt": "pickled", "max_tokens": 2}, task_id="pickled-1",
-                      queue="llm", serializer="pickle")  # fmt: skip
+    pickler.send_task(
+        "tandem.generate",
+        kwargs={"prompt": "pickled", "max_tokens": 2},
+        task_id="pickled-1",
+        queue="llm",
+        serializer="pickle",
+    )
     after = env.jobs.submit("json", max_tokens=2)  # consumed after the pickled one
     env.jobs.result(after, timeout=60)
     wait_for(lambda: "Refusing to deserialize untrusted content of type pickle" in env.llm.log(), 10, "the refusal")
@@ -234,8 +258,10 @@ def test_malformed_arguments_fail_only_that_job_naming_the_field(env):
 def test_an_out_of_vocabulary_stop_token_id_fails_only_that_job_and_the_others_keep_their_tokens(env):
     """Issue 18's reproduction: three greedy jobs of 48 tokens in flight, then one with
     stop_token_ids past the vocabulary. It used to fail the engine step for all four."""
-    kwargs = [{"prompt": p, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
-              for p in ("Once upon a time", "The capital of France is", "def fibonacci(n):")]  # fmt: skip
+    kwargs = [
+        {"prompt": p, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        for p in ("Once upon a time", "The capital of France is", "def fibonacci(n):")
+    ]
     alone = [env.jobs.result(env.jobs.submit(**k), timeout=60)["token_ids"] for k in kwargs]
     victims = [env.jobs.submit(**k) for k in kwargs]
 
@@ -244,8 +270,11 @@ def test_an_out_of_vocabulary_stop_token_id_fails_only_that_job_and_the_others_k
 
     wait_for(in_flight, 60, "the three jobs to stream a token")
     for bad in (1_000_000, 2**70):
-        sent = env.celery.send_task("tandem.generate", queue="llm",
-                                    kwargs={"prompt": "x", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [bad]})  # fmt: skip
+        sent = env.celery.send_task(
+            "tandem.generate",
+            queue="llm",
+            kwargs={"prompt": "x", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [bad]},
+        )
         with pytest.raises(ValueError, match="stop_token_ids"):
             sent.get(timeout=60)
         status = env.jobs.status(sent.id)

@@ -38,8 +38,10 @@ def test_queues_decide_which_workloads_load_and_prefetch_follows_max_num_seqs():
     assert worker_plan(_args("--queues", "llm", "--concurrency", "5"))[2] == 5
 
 
-@pytest.mark.parametrize("argv, flag", [(("--queues", "gpu"), "--queues"), (("--queues", ""), "--queues"),
-                                        (("--concurrency", "0"), "--concurrency")])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, flag",
+    [(("--queues", "gpu"), "--queues"), (("--queues", ""), "--queues"), (("--concurrency", "0"), "--concurrency")],
+)
 def test_bad_flags_are_named(argv, flag):
     with pytest.raises(ValueError, match=flag):
         worker_plan(_args(*argv))

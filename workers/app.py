@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from celery import Celery, signals
 
-from workers.settings import QUEUES, JobSettings
+from workers.settings import JobSettings
 
 ROUTES = {"tandem.generate": {"queue": "llm"}, "tandem.detect": {"queue": "vision"}}
 
@@ -40,8 +40,12 @@ def celery_config(settings: JobSettings, *, results: bool = True) -> dict:
         "result_backend_always_retry": True,
         "result_backend_max_retries": 60,
         "task_publish_retry": True,
-        "task_publish_retry_policy": {"max_retries": 120, "interval_start": 0.05, "interval_step": 0.25,
-                                      "interval_max": 1.0},  # fmt: skip
+        "task_publish_retry_policy": {
+            "max_retries": 120,
+            "interval_start": 0.05,
+            "interval_step": 0.25,
+            "interval_max": 1.0,
+        },
         "worker_send_task_events": False,
         "broker_pool_limit": 16,
     }

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from workers.jobspec import parse_detect, parse_generate
 from workers.settings import JobSettings
@@ -46,8 +46,9 @@ def _floats(rec: dict, *names: str) -> dict[str, float]:
 
 
 class JobClient:
-    def __init__(self, redis_url: str | None = None, *, ttl_s: int | None = None,
-                 settings: JobSettings | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, redis_url: str | None = None, *, ttl_s: int | None = None, settings: JobSettings | None = None
+    ) -> None:
         self.settings = settings or JobSettings.from_env(redis_url=redis_url, job_ttl_s=ttl_s)
         self.store = JobStore(self.settings)
 
@@ -62,9 +63,18 @@ class JobClient:
 
     # ---- submit ---------------------------------------------------------------------------------
 
-    def submit(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None, *, priority: int = 0,
-               deadline_s: float | None = None, job_id: str | None = None, queue: str = "llm",
-               ttl_s: int | None = None, **sampling) -> str:  # fmt: skip
+    def submit(
+        self,
+        prompt: str | list[int] | None = None,
+        messages: list[dict] | None = None,
+        *,
+        priority: int = 0,
+        deadline_s: float | None = None,
+        job_id: str | None = None,
+        queue: str = "llm",
+        ttl_s: int | None = None,
+        **sampling,
+    ) -> str:
         """Queue a generation; returns its job id once the job is recorded and its Celery
         message queued, in one atomic step (durable with Redis's appendfsync always). Bad
         fields raise ValueError here."""
@@ -73,9 +83,18 @@ class JobClient:
         spec = parse_generate(kwargs)
         return self._submit("tandem.generate", kwargs, job_id, queue, ttl_s, spec.params.max_tokens, priority)
 
-    def submit_detect(self, *, image: str | None = None, url: str | None = None, path: str | None = None,
-                      priority: int = 0, deadline_s: float | None = None, job_id: str | None = None,
-                      queue: str = "vision", ttl_s: int | None = None) -> str:  # fmt: skip
+    def submit_detect(
+        self,
+        *,
+        image: str | None = None,
+        url: str | None = None,
+        path: str | None = None,
+        priority: int = 0,
+        deadline_s: float | None = None,
+        job_id: str | None = None,
+        queue: str = "vision",
+        ttl_s: int | None = None,
+    ) -> str:
         """Queue a detection on one image (base64 bytes, an allowed URL, or a path under the
         worker's TANDEM_ALLOWED_ROOTS); its result is the `tandem detect` record."""
         kwargs = {"image": image, "url": url, "path": path, "priority": priority or None, "deadline_s": deadline_s}
@@ -83,8 +102,9 @@ class JobClient:
         parse_detect(kwargs)
         return self._submit("tandem.detect", kwargs, job_id, queue, ttl_s, 0, priority)
 
-    def _submit(self, task: str, kwargs: dict, job_id: str | None, queue: str, ttl_s: int | None, max_tokens: int,
-                priority: int) -> str:  # fmt: skip
+    def _submit(
+        self, task: str, kwargs: dict, job_id: str | None, queue: str, ttl_s: int | None, max_tokens: int, priority: int
+    ) -> str:
         job_id = check_job_id(job_id) if job_id is not None else uuid.uuid4().hex
         ttl = ttl_s if ttl_s is not None else self.settings.job_ttl_s
         if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:

@@ -23,7 +23,8 @@ import threading
 import time
 import uuid
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from runtime import metrics
 from workers.settings import JobSettings
@@ -44,8 +45,19 @@ class Cancelled(Exception):
 class ActiveJob:
     """One job this worker runs: its claim and whatever runs it in the Runtime."""
 
-    __slots__ = ("job_id", "token", "attempt", "resumed_from", "submitted_at", "claimed_at", "prompt_token_ids",
-                 "work", "cancel_requested", "fenced", "_lock")  # fmt: skip
+    __slots__ = (
+        "job_id",
+        "token",
+        "attempt",
+        "resumed_from",
+        "submitted_at",
+        "claimed_at",
+        "prompt_token_ids",
+        "work",
+        "cancel_requested",
+        "fenced",
+        "_lock",
+    )
 
     def __init__(self, job_id: str, token: str, claim: Claim) -> None:
         self.job_id = job_id
@@ -195,8 +207,12 @@ class WorkerHost:
 
     def stats(self) -> dict:
         with self._lock:
-            out = {"worker_id": self.worker_id, "active_jobs": len(self.active), "jobs": dict(self.outcomes),
-                   "republished": self.num_republished}  # fmt: skip
+            out = {
+                "worker_id": self.worker_id,
+                "active_jobs": len(self.active),
+                "jobs": dict(self.outcomes),
+                "republished": self.num_republished,
+            }
         try:
             import resource
 
@@ -245,7 +261,9 @@ class WorkerHost:
     def _publish_metrics(self) -> None:
         payload = self.metrics_payload()
         if payload is not None:  # kept a little past the lease: a scrape never misses a live worker
-            metrics.publish(self.store.redis, self.worker_id, payload, self.settings.lease_s + self.settings.heartbeat_s)
+            metrics.publish(
+                self.store.redis, self.worker_id, payload, self.settings.lease_s + self.settings.heartbeat_s
+            )
 
     def _note(self, job_ids: list[str], why: str) -> None:
         for job_id in job_ids:
@@ -317,6 +335,12 @@ def current_host() -> WorkerHost:
     if host is None:
         raise RuntimeError("no WorkerHost in this process: tandem tasks run in a `tandem worker` process")
     return host
+
+
+def host_stats() -> dict:
+    """This process's host statistics, or {} where none is running (a worker still starting)."""
+    host = _HOST
+    return host.stats() if host is not None else {}
 
 
 def stop_host() -> None:

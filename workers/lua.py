@@ -75,7 +75,9 @@ end
 
 # ARGV: prefix, id, task, queue, digest, message, broker list, now, ttl, max_tokens
 # -> {'new'|'exists', state}; {'conflict', state} when the id was used with other arguments.
-SUBMIT = _PRELUDE + r"""
+SUBMIT = (
+    _PRELUDE
+    + r"""
 local id = ARGV[2]
 local state = redis.call('HGET', jobkey(id), 'state')
 if state then
@@ -86,10 +88,13 @@ create_job(id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[8], ARGV[9], ARGV[10])
 redis.call('LPUSH', ARGV[7], ARGV[6])
 return {'new', 'queued'}
 """
+)
 
 # ARGV: prefix, id, worker, token, now, maxlen, task, queue, digest, message, submitted_at, ttl, max_tokens
 # -> {'claimed', attempt, num_tokens, submitted_at, prompt_token_ids} | {'final', state} | {'busy', owner}
-CLAIM = _PRELUDE + r"""
+CLAIM = (
+    _PRELUDE
+    + r"""
 local id, me, token, now, maxlen = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local job = jobkey(id)
 local state = redis.call('HGET', job, 'state')
@@ -123,10 +128,13 @@ if attempt > 1 then
 end
 return claimed()
 """
+)
 
 # ARGV: prefix, id, token, start, count, token_ids_json, text, prompt_ids_json|'', now, maxlen
 # -> 1 written (or already written by a retry of this call), 0 fenced out, -1 out of order
-EMIT = _PRELUDE + r"""
+EMIT = (
+    _PRELUDE
+    + r"""
 local id, token = ARGV[2], ARGV[3]
 local job = jobkey(id)
 if redis.call('HGET', job, 'token') ~= token or redis.call('HGET', job, 'state') ~= 'running' then return 0 end
@@ -141,10 +149,13 @@ if have == 0 then redis.call('HSET', job, 'first_token_at', ARGV[9]) end
 if ARGV[8] ~= '' then redis.call('HSET', job, 'prompt_token_ids', ARGV[8]) end
 return 1
 """
+)
 
 # ARGV: prefix, id, token, state, result_json, error, finish_reason, now, maxlen, trailing text
 # -> 1 final now (or already, by this claim), 0 fenced out
-FINISH = _PRELUDE + r"""
+FINISH = (
+    _PRELUDE
+    + r"""
 local id, token = ARGV[2], ARGV[3]
 local job = jobkey(id)
 local state = redis.call('HGET', job, 'state')
@@ -153,9 +164,12 @@ if state ~= 'running' or redis.call('HGET', job, 'token') ~= token then return 0
 close_job(id, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], token, ARGV[10])
 return 1
 """
+)
 
 # ARGV: prefix, id, now, maxlen -> 'missing' | 'cancelled' | 'cancelling' | 'final:<the state it already had>'
-CANCEL = _PRELUDE + r"""
+CANCEL = (
+    _PRELUDE
+    + r"""
 local id, now, maxlen = ARGV[2], ARGV[3], ARGV[4]
 local job = jobkey(id)
 local state = redis.call('HGET', job, 'state')
@@ -170,9 +184,12 @@ end
 redis.call('PUBLISH', P .. 'cancel', id)
 return 'cancelling'
 """
+)
 
 # ARGV: prefix, id, now, maxlen -> 'requeued' | 'cancelled' | 'alive' | 'gone'
-REAP = _PRELUDE + r"""
+REAP = (
+    _PRELUDE
+    + r"""
 local id, now, maxlen = ARGV[2], ARGV[3], ARGV[4]
 local job = jobkey(id)
 local state = redis.call('HGET', job, 'state')
@@ -191,9 +208,13 @@ redis.call('ZADD', P .. 'queued:' .. redis.call('HGET', job, 'queue'), redis.cal
 republish(id)
 return 'requeued'
 """
+)
 
 # ARGV: prefix, id -> 1 queued again, 0 not queued any more (claimed or final meanwhile)
-REPUBLISH = _PRELUDE + r"""
+REPUBLISH = (
+    _PRELUDE
+    + r"""
 if redis.call('HGET', jobkey(ARGV[2]), 'state') ~= 'queued' then return 0 end
 return republish(ARGV[2])
 """
+)

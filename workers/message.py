@@ -38,17 +38,41 @@ def task_message(task: str, task_id: str, kwargs: dict, queue: str, priority: in
     """The JSON a Celery worker consuming `queue` takes as a call of `task` with `kwargs`."""
     body = [[], kwargs, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}]
     headers = {
-        "lang": "py", "task": task, "id": task_id, "shadow": None, "eta": None, "expires": None, "group": None,
-        "group_index": None, "retries": 0, "timelimit": [None, None], "root_id": task_id, "parent_id": None,
-        "argsrepr": "()", "kwargsrepr": repr(kwargs)[:1024], "origin": _ORIGIN, "ignore_result": ignore_result,
-        "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {},
-    }  # fmt: skip
+        "lang": "py",
+        "task": task,
+        "id": task_id,
+        "shadow": None,
+        "eta": None,
+        "expires": None,
+        "group": None,
+        "group_index": None,
+        "retries": 0,
+        "timelimit": [None, None],
+        "root_id": task_id,
+        "parent_id": None,
+        "argsrepr": "()",
+        "kwargsrepr": repr(kwargs)[:1024],
+        "origin": _ORIGIN,
+        "ignore_result": ignore_result,
+        "replaced_task_nesting": 0,
+        "stamped_headers": None,
+        "stamps": {},
+    }
     properties = {
-        "correlation_id": task_id, "reply_to": str(uuid.uuid4()), "delivery_mode": 2,
-        "delivery_info": {"exchange": "", "routing_key": queue}, "priority": priority, "body_encoding": "base64",
+        "correlation_id": task_id,
+        "reply_to": str(uuid.uuid4()),
+        "delivery_mode": 2,
+        "delivery_info": {"exchange": "", "routing_key": queue},
+        "priority": priority,
+        "body_encoding": "base64",
         "delivery_tag": str(uuid.uuid4()),
-    }  # fmt: skip
-    return json.dumps({
-        "body": base64.b64encode(json.dumps(body).encode()).decode(), "content-encoding": "utf-8",
-        "content-type": "application/json", "headers": headers, "properties": properties,
-    })  # fmt: skip
+    }
+    return json.dumps(
+        {
+            "body": base64.b64encode(json.dumps(body).encode()).decode(),
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": headers,
+            "properties": properties,
+        }
+    )

@@ -9,8 +9,9 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -70,13 +71,24 @@ def broker_priority(priority: int) -> int:
     return 0 if priority < 0 else 3 if priority == 0 else 6 if priority < 10 else 9
 
 
-def submit_args(job_id: str, task: str, queue: str, kwargs: dict, *, ttl_s: int, max_tokens: int,
-                priority: int = 0) -> list:  # fmt: skip
+def submit_args(
+    job_id: str, task: str, queue: str, kwargs: dict, *, ttl_s: int, max_tokens: int, priority: int = 0
+) -> list:
     """ARGV of the SUBMIT script (lua.py), for a client on either Redis API, sync or asyncio."""
     step = broker_priority(priority)
     message = task_message(task, job_id, kwargs, queue, step, ignore_result=True)
-    return [PREFIX, job_id, task, queue, digest(task, kwargs), message, broker_list(queue, step), time.time(),
-            ttl_s, max_tokens]  # fmt: skip
+    return [
+        PREFIX,
+        job_id,
+        task,
+        queue,
+        digest(task, kwargs),
+        message,
+        broker_list(queue, step),
+        time.time(),
+        ttl_s,
+        max_tokens,
+    ]
 
 
 def submit_outcome(job_id: str, outcome: str, state: str) -> tuple[bool, str]:
@@ -98,8 +110,9 @@ class Claim:
 def connect(url: str) -> redis.Redis:
     # Blocking stream reads wait at most 2 s at a time (client.BLOCK_MS), well under the socket
     # timeout; a dead connection surfaces within it and `JobStore.retrying` reconnects.
-    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=10.0, socket_connect_timeout=2.0,
-                                health_check_interval=15)  # fmt: skip
+    return redis.Redis.from_url(
+        url, decode_responses=True, socket_timeout=10.0, socket_connect_timeout=2.0, health_check_interval=15
+    )
 
 
 class JobStore:
@@ -135,8 +148,9 @@ class JobStore:
 
     # ---- clients ----------------------------------------------------------------------------
 
-    def submit(self, job_id: str, task: str, queue: str, kwargs: dict, *, ttl_s: int, max_tokens: int,
-               priority: int = 0) -> tuple[bool, str]:  # fmt: skip
+    def submit(
+        self, job_id: str, task: str, queue: str, kwargs: dict, *, ttl_s: int, max_tokens: int, priority: int = 0
+    ) -> tuple[bool, str]:
         """Record a job and queue its Celery message, in one script. Returns (created, state).
         The same id with the same arguments is the same job; with others it is a ValueError."""
         args = submit_args(job_id, task, queue, kwargs, ttl_s=ttl_s, max_tokens=max_tokens, priority=priority)
@@ -147,6 +161,7 @@ class JobStore:
 
     def missing(self, job_ids: list[str]) -> list[str]:
         """The ids among `job_ids` with no record (never submitted, or expired)."""
+
         def check():
             pipe = self.redis.pipeline(transaction=False)
             for j in job_ids:
@@ -173,6 +188,7 @@ class JobStore:
         """Block until at least one of `job_ids` is final (or block_ms passes); returns the
         final ones' {state, result, error}. Each job's `end` stream gets one entry when it
         becomes final, so this never misses a transition, whenever it is called."""
+
         def read():
             got = _streams(self.redis.xread({end_key(j): "0-0" for j in job_ids}, count=1, block=block_ms))
             return {key[len(PREFIX) + 4 :]: entries[0][1] for key, entries in got if entries}
@@ -181,31 +197,91 @@ class JobStore:
 
     # ---- workers ----------------------------------------------------------------------------
 
-    def claim(self, job_id: str, worker_id: str, token: str, task: str, queue: str, kwargs: dict,
-              *, ttl_s: int, max_tokens: int, submitted_at: float) -> Claim:  # fmt: skip
+    def claim(
+        self,
+        job_id: str,
+        worker_id: str,
+        token: str,
+        task: str,
+        queue: str,
+        kwargs: dict,
+        *,
+        ttl_s: int,
+        max_tokens: int,
+        submitted_at: float,
+    ) -> Claim:
         # The message is stored only if this claim creates the job (a plain Celery client's
         # task): what a reaper queues again should the job lose its worker.
         message = task_message(task, job_id, kwargs, queue, 0, ignore_result=False)
-        args = [PREFIX, job_id, worker_id, token, time.time(), self.settings.stream_maxlen, task, queue,
-                digest(task, kwargs), message, submitted_at, ttl_s, max_tokens]  # fmt: skip
+        args = [
+            PREFIX,
+            job_id,
+            worker_id,
+            token,
+            time.time(),
+            self.settings.stream_maxlen,
+            task,
+            queue,
+            digest(task, kwargs),
+            message,
+            submitted_at,
+            ttl_s,
+            max_tokens,
+        ]
         out = self.retrying(lambda: self._claim(args=args), "claim")
         if out[0] != "claimed":
             return Claim(out[0], detail=out[1])
         prompt = json.loads(out[4]) if out[4] else None
         return Claim("claimed", int(out[1]), int(out[2]), submitted_at=float(out[3]), prompt_token_ids=prompt)
 
-    def emit_args(self, job_id: str, token: str, start: int, token_ids: list[int], text: str,
-                  prompt_token_ids: list[int] | None, at: float | None = None) -> list:  # fmt: skip
+    def emit_args(
+        self,
+        job_id: str,
+        token: str,
+        start: int,
+        token_ids: list[int],
+        text: str,
+        prompt_token_ids: list[int] | None,
+        at: float | None = None,
+    ) -> list:
         prompt = json.dumps(prompt_token_ids) if prompt_token_ids is not None else ""
-        return [PREFIX, job_id, token, start, len(token_ids), json.dumps(token_ids), text, prompt,
-                time.time() if at is None else at, self.settings.stream_maxlen]  # fmt: skip
+        return [
+            PREFIX,
+            job_id,
+            token,
+            start,
+            len(token_ids),
+            json.dumps(token_ids),
+            text,
+            prompt,
+            time.time() if at is None else at,
+            self.settings.stream_maxlen,
+        ]
 
-    def finish_args(self, job_id: str, token: str, state: str, result: dict | None, error: str = "",
-                    finish_reason: str = "", text: str = "") -> list:  # fmt: skip
+    def finish_args(
+        self,
+        job_id: str,
+        token: str,
+        state: str,
+        result: dict | None,
+        error: str = "",
+        finish_reason: str = "",
+        text: str = "",
+    ) -> list:
         assert state in FINAL_STATES
         body = json.dumps(result) if result is not None else ""
-        return [PREFIX, job_id, token, state, body, error, finish_reason, time.time(), self.settings.stream_maxlen,
-                text]  # fmt: skip
+        return [
+            PREFIX,
+            job_id,
+            token,
+            state,
+            body,
+            error,
+            finish_reason,
+            time.time(),
+            self.settings.stream_maxlen,
+            text,
+        ]
 
     def run_scripts(self, calls: list[tuple[str, list]]) -> list[int]:
         """Run ("emit" | "finish", args) calls in one round trip, in order."""
@@ -246,8 +322,11 @@ class JobStore:
         dead = {o for o, alive in zip(distinct, pipe.execute()) if not alive}
         now = time.time()
         maxlen = self.settings.stream_maxlen
-        return [j for j, o in zip(job_ids, owners)
-                if (o in dead or not o) and self._reap(args=[PREFIX, j, now, maxlen]) == "requeued"]
+        return [
+            j
+            for j, o in zip(job_ids, owners)
+            if (o in dead or not o) and self._reap(args=[PREFIX, j, now, maxlen]) == "requeued"
+        ]
 
     def orphans(self, every_s: float, now: float | None = None) -> list[str]:
         """Queue again the jobs whose broker message is gone, seen so on two sweeps `every_s`

@@ -51,6 +51,6 @@ def detect(self, **kwargs) -> dict:
 def tandem_stats(state, **_) -> dict:
     """`app.control.broadcast("tandem_stats", reply=True)`: this worker's jobs, memory and
     Runtime statistics (KV blocks in use, queue depths)."""
-    from workers import host
+    from workers.host import host_stats
 
-    return host._HOST.stats() if host._HOST is not None else {}
+    return host_stats()

@@ -56,8 +56,9 @@ class EventWriter:
     def emit(self, job, start: int, token_ids: list[int], text: str, prompt_token_ids: list[int] | None = None) -> None:
         self._queue.put(_Emit(job, start, list(token_ids), text, prompt_token_ids, time.time()))
 
-    def finish(self, job, state: str, result: dict | None, error: str = "", finish_reason: str = "",
-               text: str = "") -> Future:  # fmt: skip
+    def finish(
+        self, job, state: str, result: dict | None, error: str = "", finish_reason: str = "", text: str = ""
+    ) -> Future:
         """Write the job's final state (and trailing `text` with no tokens, if any); the future
         says whether it was written (False: this worker no longer holds the job)."""
         item = _Finish(job, self.store.finish_args(job.job_id, job.token, state, result, error, finish_reason, text))
@@ -89,8 +90,15 @@ class EventWriter:
         calls = []
         for item in batch:
             if isinstance(item, _Emit):
-                args = self.store.emit_args(item.job.job_id, item.job.token, item.start, item.token_ids, item.text,
-                                            item.prompt_token_ids, item.at)  # fmt: skip
+                args = self.store.emit_args(
+                    item.job.job_id,
+                    item.job.token,
+                    item.start,
+                    item.token_ids,
+                    item.text,
+                    item.prompt_token_ids,
+                    item.at,
+                )
                 calls.append(("emit", args))
             else:
                 calls.append(("finish", item.args))

@@ -1,14 +1,14 @@
 """The offline API, shaped like vLLM's:
 
-    from runtime import LLM, SamplingParams
-    llm = LLM()                                   # SmolLM2-135M-Instruct, float32, on CPU
-    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
-    outs = llm.chat([{"role": "user", "content": "What is the capital of France?"}])
+from runtime import LLM, SamplingParams
+llm = LLM()                                   # SmolLM2-135M-Instruct, float32, on CPU
+outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+outs = llm.chat([{"role": "user", "content": "What is the capital of France?"}])
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from runtime.llm.engine import EngineConfig, LLMEngine
 from runtime.llm.outputs import RequestOutput
@@ -37,11 +37,20 @@ class LLM:
         memory: DeviceMemoryManager | None = None,
     ) -> None:
         config = EngineConfig(
-            model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
-            kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks, scheduler=scheduler, policy=policy,
-            enable_prefix_caching=enable_prefix_caching, cache_dir=cache_dir,
-        )  # fmt: skip
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            kv_cache_bytes=kv_cache_bytes,
+            num_kv_blocks=num_kv_blocks,
+            scheduler=scheduler,
+            policy=policy,
+            enable_prefix_caching=enable_prefix_caching,
+            cache_dir=cache_dir,
+        )
         self.engine = LLMEngine(config, memory)
 
     @property

@@ -11,6 +11,8 @@ import signal
 import sys
 import threading
 
+from runtime.llm.flags import engine_options, sampling_params
+
 
 def device_problem(flag: str, value: str | None) -> str | None:
     """Why `value` cannot be used as a device here, naming `flag` and what this machine has;
@@ -40,21 +42,22 @@ class UsageError(Exception):
     """A bad flag or prompt: printed as one line, exit code 2."""
 
 
-def sampling_params(args):
-    from runtime.llm.sampling_params import SamplingParams
-
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, min_tokens=args.min_tokens, stop=list(args.stop or []), ignore_eos=args.ignore_eos,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-    )
-
-
 def _flagged(message: str) -> str:
     """The engine's field names as the flags that set them, so an error says what to type."""
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_tokens", "min_tokens", "top_p",
-                 "top_k", "temperature", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+    for name in (
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "kv_cache_bytes",
+        "max_tokens",
+        "min_tokens",
+        "top_p",
+        "top_k",
+        "temperature",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
         message = re.sub(rf"\b{name}\b", "--" + name.replace("_", "-"), message)
     return message.replace("model=", "--model ")
 
@@ -73,10 +76,7 @@ def load_llm(args):
 
     print("loading model ...", file=sys.stderr, flush=True)
     try:
-        llm = LLM(
-            model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        )
+        llm = LLM(**engine_options(args))
     except ValueError as exc:
         raise UsageError(_flagged(str(exc))) from None
     return llm, params
@@ -211,7 +211,7 @@ def run_chat(args) -> int:
             stop = threading.Event()
             # SIGINT only sets a flag while an answer streams: an exception raised inside an
             # engine step could leave the step half done; the flag stops it between tokens.
-            previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+            previous = signal.signal(signal.SIGINT, lambda *_, stop=stop: stop.set())
             try:
                 answer, finished = _stream(llm, llm.apply_chat_template(history), params, stop)
             except UsageError as exc:

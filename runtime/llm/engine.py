@@ -23,8 +23,8 @@ import heapq
 import itertools
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from runtime.llm.detokenizer import IncrementalDetokenizer
 from runtime.llm.outputs import RequestMetrics, RequestOutput
@@ -136,11 +136,18 @@ class LLMEngine:
         )
         self.memory = memory or DeviceMemoryManager(MemoryConfig(device=device))
         self.runner = ModelRunner(
-            self.loaded, self.memory, block_size=c.block_size, kv_cache_bytes=c.kv_cache_bytes,
-            num_kv_blocks=c.num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-            max_model_len=self.max_model_len, enable_prefix_caching=c.enable_prefix_caching, dtype=self.dtype,
+            self.loaded,
+            self.memory,
+            block_size=c.block_size,
+            kv_cache_bytes=c.kv_cache_bytes,
+            num_kv_blocks=c.num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=c.enable_prefix_caching,
+            dtype=self.dtype,
             device=device,
-        )  # fmt: skip
+        )
         pool = self.runner.kv_pool
         if c.scheduler == "static":
             batching = DynamicBatchConfig(max_batch_size=max_num_seqs, max_queue_delay_ms=c.static_max_queue_delay_ms)
@@ -176,9 +183,13 @@ class LLMEngine:
         return None, ids
 
     def prepare(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-        priority: int = 0, deadline_s: float | None = None,
-    ) -> PreparedRequest:  # fmt: skip
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        deadline_s: float | None = None,
+    ) -> PreparedRequest:
         """Check and tokenize a request; safe on any thread. ValueError names the field.
         `deadline_s` (seconds from now): if the request is still queued then, it is rejected."""
         if deadline_s is not None and (
@@ -207,8 +218,7 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(
-                f"stop_token_ids must be token ids in [0, {self.vocab_size}) (the model's vocabulary), "
-                f"got {bad[:4]!r}"
+                f"stop_token_ids must be token ids in [0, {self.vocab_size}) (the model's vocabulary), got {bad[:4]!r}"
             )
         with self._ids_lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -226,9 +236,13 @@ class LLMEngine:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         req = Request(
-            rid, p.token_ids, StopCriteria(params.max_tokens, params.min_tokens, frozenset(stop_ids)),
-            priority=p.priority, arrival_time=p.arrival_time, sampling=params,
-        )  # fmt: skip
+            rid,
+            p.token_ids,
+            StopCriteria(params.max_tokens, params.min_tokens, frozenset(stop_ids)),
+            priority=p.priority,
+            arrival_time=p.arrival_time,
+            sampling=params,
+        )
         self.scheduler.add_request(req)
         t = _Tracked(req, p.prompt, params, RequestMetrics(arrival_time=p.arrival_time, deadline=p.deadline))
         if p.deadline is not None:
@@ -265,6 +279,11 @@ class LLMEngine:
         self._finish(t, "abort", time.monotonic())
         return True
 
+    def abort_all(self, error: str, error_code: str) -> int:
+        """End every request not yet finished with `error` (the Runtime closing or broken);
+        returns how many. On the engine's thread, or once nobody steps it any more."""
+        return sum(self.abort(rid, error, error_code) for rid in list(self._tracked))
+
     def apply_chat_template(self, conversation: list[dict]) -> str:
         """The prompt text of a conversation ({"role", "content"} dicts); safe on any thread."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -281,9 +300,10 @@ class LLMEngine:
         """A guess of the next step's (requests, tokens), before planning it: running requests
         decode one token each, and if anyone waits for a slot, a prefill fills the budget."""
         s = self.scheduler
-        running = len(s.running)
-        if len(s.waiting) and running < s.config.max_num_seqs:
-            return min(s.config.max_num_seqs, running + len(s.waiting)), s.config.max_num_batched_tokens
+        load = s.stats()
+        running, waiting = load.num_running, load.num_waiting
+        if waiting and running < s.config.max_num_seqs:
+            return min(s.config.max_num_seqs, running + waiting), s.config.max_num_batched_tokens
         return running, running
 
     def has_unfinished(self) -> bool:
@@ -428,9 +448,18 @@ class LLMEngine:
         new_ids = ids[t.num_sent :]
         t.num_sent = len(ids)
         return RequestOutput(
-            req.request_id, t.prompt, req.prompt_token_ids, list(ids), text, reason, t.metrics, t.error, delta,
-            new_ids, t.error_code,
-        )  # fmt: skip
+            req.request_id,
+            t.prompt,
+            req.prompt_token_ids,
+            list(ids),
+            text,
+            reason,
+            t.metrics,
+            t.error,
+            delta,
+            new_ids,
+            t.error_code,
+        )
 
     # ---- streaming --------------------------------------------------------------------------
 

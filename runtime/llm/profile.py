@@ -78,8 +78,10 @@ def step_vs_floor(engine, num_seqs: int = 16, context_len: int = 128, repeats: i
 
     model = engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    inputs = {m.in_features: torch.randn(num_seqs, m.in_features, dtype=model.dtype, device=engine.runner.device)
-              for m in linears}  # fmt: skip
+    inputs = {
+        m.in_features: torch.randn(num_seqs, m.in_features, dtype=model.dtype, device=engine.runner.device)
+        for m in linears
+    }
     with torch.inference_mode():
 
         def run_linears() -> None:
@@ -97,5 +99,11 @@ def step_vs_floor(engine, num_seqs: int = 16, context_len: int = 128, repeats: i
             floors.append(time.perf_counter() - t0)
     step_ms = statistics.median(steps) * 1e3
     floor_ms = statistics.median(floors) * 1e3
-    return {"num_seqs": num_seqs, "context_len": context_len, "step_ms": step_ms, "linear_floor_ms": floor_ms,
-            "ratio": step_ms / floor_ms, "num_linear_layers": len(linears)}  # fmt: skip
+    return {
+        "num_seqs": num_seqs,
+        "context_len": context_len,
+        "step_ms": step_ms,
+        "linear_floor_ms": floor_ms,
+        "ratio": step_ms / floor_ms,
+        "num_linear_layers": len(linears),
+    }

@@ -84,8 +84,12 @@ class ModelRunner:
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len)):
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         spec = ModelSpec.from_config(loaded.config)
@@ -135,7 +139,6 @@ class ModelRunner:
             # stays zero; batched decode pads every block table with it (see
             # kernels/paged_attention.py for why masking alone is not enough).
             self.pad_block = n
-            self.pad_slot = n * block_size
             shape = (spec.num_layers, 2, n + 1, block_size, spec.num_kv_heads, spec.head_dim)
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         except BaseException:
@@ -199,7 +202,9 @@ class ModelRunner:
         vocab = self.spec.vocab_size
         for field, ids in (("token_ids", nr.token_ids), ("stop_token_ids", stop_ids)):
             if ids and not (0 <= min(ids) and max(ids) < vocab):
-                raise ValueError(f"{field} must be token ids in [0, {vocab}), got {[t for t in ids if not 0 <= t < vocab][:4]!r}")
+                raise ValueError(
+                    f"{field} must be token ids in [0, {vocab}), got {[t for t in ids if not 0 <= t < vocab][:4]!r}"
+                )
         self.requests[nr.request_id] = _RequestState(
             token_ids=list(nr.token_ids),
             block_ids=list(nr.block_ids),
@@ -216,8 +221,14 @@ class ModelRunner:
         # Blocks past the prefix-cache hit are new to this request: zero them (see execute).
         fresh.extend(nr.block_ids[-(-nr.num_computed_tokens // self.block_size) :])
         if sp is not None and sp.has_penalties:
-            self.sampler.penalties.add(nr.request_id, list(nr.token_ids), nr.num_prompt_tokens,
-                                       sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty)
+            self.sampler.penalties.add(
+                nr.request_id,
+                list(nr.token_ids),
+                nr.num_prompt_tokens,
+                sp.repetition_penalty,
+                sp.presence_penalty,
+                sp.frequency_penalty,
+            )
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -290,7 +301,9 @@ class ModelRunner:
             st, start, n = states[i], plan.num_computed_tokens[i], plan.num_scheduled_tokens[i]
             end = start + n
             if end > len(st.token_ids):
-                raise RuntimeError(f"plan schedules tokens [{start}, {end}) of request {plan.req_ids[i]!r}, which has {len(st.token_ids)}")
+                raise RuntimeError(
+                    f"plan schedules tokens [{start}, {end}) of request {plan.req_ids[i]!r}, which has {len(st.token_ids)}"
+                )
             row = len(ids)
             ids.extend(st.token_ids[start:end])
             row_of_last[i] = row + n - 1
@@ -319,7 +332,9 @@ class ModelRunner:
         sample_idx = [i for i, s in enumerate(plan.sample) if s and i in row_of_last]
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.from_numpy(np.concatenate(pos_parts) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
-        meta.slot_mapping = torch.from_numpy(np.concatenate(slot_parts) if len(slot_parts) > 1 else slot_parts[0]).to(dev)
+        meta.slot_mapping = torch.from_numpy(np.concatenate(slot_parts) if len(slot_parts) > 1 else slot_parts[0]).to(
+            dev
+        )
         rows_t = torch.tensor([row_of_last[i] for i in sample_idx], dtype=torch.long).to(dev) if sample_idx else None
         logits = self.model(input_ids, positions, meta, self.kv_caches, rows_t)
         self.last_logits = logits

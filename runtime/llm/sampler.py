@@ -71,10 +71,6 @@ class SamplingBatch:
     # (row, request id) for rows whose request has penalties (PenaltyState knows its stats).
     penalized: list[tuple[int, str]] = field(default_factory=list)
 
-    @property
-    def all_greedy(self) -> bool:
-        return all(t == 0 for t in self.temperatures)
-
 
 def _thresholds(sorted_probs: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
     """Per row, the smallest probability kept by top-k then top-p (applied to the top-k
@@ -128,8 +124,15 @@ class PenaltyState:
     def __len__(self) -> int:
         return len(self._slot)
 
-    def add(self, request_id: str, token_ids: list[int], num_prompt_tokens: int, repetition: float,
-            presence: float, frequency: float) -> None:
+    def add(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        repetition: float,
+        presence: float,
+        frequency: float,
+    ) -> None:
         """Start tracking a request from its tokens so far (a replayed request brings its
         earlier outputs, which count as sampled)."""
         if request_id in self._slot:
@@ -210,13 +213,18 @@ class Sampler:
             return self._draw(logits, temps, batch.top_k, batch.top_p, batch.seeds)
         # Mixed: greedy rows take the argmax; only the others are sampled (and draw noise).
         idx = _to_device(rows, torch.long, dev)
-        sampled = self._draw(logits.index_select(0, idx), [temps[i] for i in rows],
-                             [batch.top_k[i] for i in rows], [batch.top_p[i] for i in rows],
-                             [batch.seeds[i] for i in rows])
+        sampled = self._draw(
+            logits.index_select(0, idx),
+            [temps[i] for i in rows],
+            [batch.top_k[i] for i in rows],
+            [batch.top_p[i] for i in rows],
+            [batch.seeds[i] for i in rows],
+        )
         return logits.argmax(dim=-1).index_copy_(0, idx, sampled)
 
-    def _draw(self, logits: torch.Tensor, temps: list[float], top_k: list[int], top_p: list[float],
-              seeds: list[int | None]) -> torch.Tensor:
+    def _draw(
+        self, logits: torch.Tensor, temps: list[float], top_k: list[int], top_p: list[float], seeds: list[int | None]
+    ) -> torch.Tensor:
         """Sample every row of `logits` (all temperatures > 0) by the exponential race."""
         dev = logits.device
         # Multiply by 1/T, the same float32 product whether T is shared (a scalar) or per row

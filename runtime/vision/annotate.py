@@ -8,7 +8,7 @@ import cv2
 import numpy as np
 
 from runtime.vision.postprocess import Detections
-from sources.base import Frame, VIDEO_EXTENSIONS, extension
+from sources.base import VIDEO_EXTENSIONS, Frame, extension
 
 
 def _color(cls: int) -> tuple[int, int, int]:
@@ -28,8 +28,16 @@ def draw(image: np.ndarray, det: Detections) -> np.ndarray:
         (tw, th), _ = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, thickness / 3, max(1, thickness - 1))
         top = p1[1] - th - 3 if p1[1] - th - 3 >= 0 else p1[1] + th + 3
         cv2.rectangle(out, (p1[0], top), (p1[0] + tw, p1[1]), color, -1, cv2.LINE_AA)
-        cv2.putText(out, label, (p1[0], p1[1] - 2 if top < p1[1] else top), cv2.FONT_HERSHEY_SIMPLEX,
-                    thickness / 3, (255, 255, 255), max(1, thickness - 1), cv2.LINE_AA)  # fmt: skip
+        cv2.putText(
+            out,
+            label,
+            (p1[0], p1[1] - 2 if top < p1[1] else top),
+            cv2.FONT_HERSHEY_SIMPLEX,
+            thickness / 3,
+            (255, 255, 255),
+            max(1, thickness - 1),
+            cv2.LINE_AA,
+        )
     return out
 
 

@@ -56,8 +56,14 @@ def calibrate(net: nn.Module, images: list[np.ndarray], imgsz: int) -> nn.Module
     return net
 
 
-def match_errors(boxes: np.ndarray, conf: np.ndarray, cls: np.ndarray,
-                 ref_boxes: np.ndarray, ref_conf: np.ndarray, ref_cls: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def match_errors(
+    boxes: np.ndarray,
+    conf: np.ndarray,
+    cls: np.ndarray,
+    ref_boxes: np.ndarray,
+    ref_conf: np.ndarray,
+    ref_cls: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """Per reference detection: (box error px, confidence error) to the nearest of ours of the
     same class (nearest by largest coordinate difference), inf where we have none of its class.
     Matching rather than comparing in order, so near-tied scores that swap places do not count."""

@@ -42,8 +42,10 @@ def demo_config():
     from runtime.vision.config import VisionConfig, vision_batching
 
     if not WEIGHTS.is_file():
-        raise FileNotFoundError(f"the shipped detector {WEIGHTS} is missing; retrain it with "
-                                f"`python -m runtime.vision.train` (see runtime/vision/detector.py)")  # fmt: skip
+        raise FileNotFoundError(
+            f"the shipped detector {WEIGHTS} is missing; retrain it with "
+            f"`python -m runtime.vision.train` (see runtime/vision/detector.py)"
+        )
     batching = vision_batching(max_batch_size=4, max_queue_delay_ms=10.0)
     return VisionConfig(model=str(WEIGHTS), imgsz=IMGSZ, batching=batching, profile_iters=1)
 
@@ -78,16 +80,20 @@ def run_vision_demo(engine=None) -> None:
         truth.update({(clip, k): names for k, (_, names) in enumerate(scenes[4:])})
         with nullcontext(engine) if engine is not None else VisionEngine(demo_config()) as engine:
             print(f"model: {engine.runner.description}")
-            print(f"profiled images/s by batch size: {engine.stats()['profile_images_per_s']}; "
-                  f"preferred {list(engine.preferred_batch_sizes)}")  # fmt: skip
+            print(
+                f"profiled images/s by batch size: {engine.stats()['profile_images_per_s']}; "
+                f"preferred {list(engine.preferred_batch_sizes)}"
+            )
             source = load_source(inputs)
             jobs = [(frame, engine.submit(frame)) for frame in source]  # all at once: the batcher groups them
             for frame, future in jobs:
                 d = future.result()
                 t = d.timings
                 print(f"{os.path.basename(frame.source):>11s} frame {frame.index}: found [{describe(d)}]")
-                print(f"{'':>20s}drawn [{', '.join(truth.get((frame.source, frame.index), ['?']))}]; batch {d.batch_size}, "
-                      f"pre {t['preprocess']:.1f} ms, inf {t['inference']:.1f} ms, post {t['postprocess']:.1f} ms")  # fmt: skip
+                print(
+                    f"{'':>20s}drawn [{', '.join(truth.get((frame.source, frame.index), ['?']))}]; batch {d.batch_size}, "
+                    f"pre {t['preprocess']:.1f} ms, inf {t['inference']:.1f} ms, post {t['postprocess']:.1f} ms"
+                )
             print(f"batch sizes chosen: {engine.scheduler.batch_sizes}")
 
 

@@ -35,9 +35,10 @@ import collections
 import dataclasses
 import json
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -64,7 +65,7 @@ class ImagePredictions:
     cls: np.ndarray  # (N,) int
 
     @classmethod
-    def of(cls, value: Any) -> "ImagePredictions":
+    def of(cls, value: Any) -> ImagePredictions:
         """From an ImagePredictions, a dict with boxes/conf/cls (lists or arrays), or any object
         with those attributes (runtime.vision.postprocess.Detections)."""
         if isinstance(value, ImagePredictions):
@@ -168,8 +169,9 @@ def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return ul_box_iou(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32)).numpy()
 
 
-def match(pred: ImagePredictions, label_cls: np.ndarray, label_boxes: np.ndarray,
-          thresholds: np.ndarray | None = None) -> np.ndarray:
+def match(
+    pred: ImagePredictions, label_cls: np.ndarray, label_boxes: np.ndarray, thresholds: np.ndarray | None = None
+) -> np.ndarray:
     """(N, T) bool: whether each prediction (in pred's order) is a true positive at each IoU
     threshold. Predictions go in descending confidence; each takes the unclaimed label of its
     class it overlaps most, when that overlap reaches the threshold. Same rule as Ultralytics'
@@ -194,8 +196,9 @@ def match(pred: ImagePredictions, label_cls: np.ndarray, label_boxes: np.ndarray
     return correct
 
 
-def evaluate(predictions: dict[str, Any], data_dir: str | Path, split: str = "test",
-             names: dict[int, str] | None = None) -> dict[str, Any]:
+def evaluate(
+    predictions: dict[str, Any], data_dir: str | Path, split: str = "test", names: dict[int, str] | None = None
+) -> dict[str, Any]:
     """Score `predictions` (image key -> boxes/conf/cls, see the module docstring) on the split.
 
     Returns {"map50_95", "map50", "images", "instances", "predictions", "per_class": {name:
@@ -207,8 +210,10 @@ def evaluate(predictions: dict[str, Any], data_dir: str | Path, split: str = "te
     preds = {k: ImagePredictions.of(v) for k, v in predictions.items()}
     missing, extra = sorted(set(labels) - set(preds)), sorted(set(preds) - set(labels))
     if missing or extra:
-        raise ValueError(f"predictions do not cover images/{split} of {data_dir}: "
-                         f"{len(missing)} missing (e.g. {missing[:3]}), {len(extra)} unknown (e.g. {extra[:3]})")
+        raise ValueError(
+            f"predictions do not cover images/{split} of {data_dir}: "
+            f"{len(missing)} missing (e.g. {missing[:3]}), {len(extra)} unknown (e.g. {extra[:3]})"
+        )
     thresholds = iou_thresholds()
     tp, conf, pred_cls, target_cls = [], [], [], []
     for key, (cls, boxes) in labels.items():
@@ -224,9 +229,14 @@ def evaluate(predictions: dict[str, Any], data_dir: str | Path, split: str = "te
     result = ap_per_class(np.concatenate(tp), np.concatenate(conf), np.concatenate(pred_cls), target)
     ap, classes = result[5], result[6]  # (C, T) AP per class with labels and threshold; those classes
     names = names or {}
-    per_class = {names.get(int(c), str(int(c))): {"map50_95": float(ap[i].mean()), "map50": float(ap[i, 0]),
-                                                  "instances": int((target == c).sum())}
-                 for i, c in enumerate(classes)}
+    per_class = {
+        names.get(int(c), str(int(c))): {
+            "map50_95": float(ap[i].mean()),
+            "map50": float(ap[i, 0]),
+            "instances": int((target == c).sum()),
+        }
+        for i, c in enumerate(classes)
+    }
     return {
         "map50_95": float(ap.mean()) if len(ap) else 0.0,  # as Ultralytics' Metric.map: 0 without labels
         "map50": float(ap[:, 0].mean()) if len(ap) else 0.0,
@@ -238,8 +248,9 @@ def evaluate(predictions: dict[str, Any], data_dir: str | Path, split: str = "te
 
 
 # -- running a detector over the split --
-def predict_split(predict: Callable[[list[np.ndarray]], Iterable[Any]], data_dir: str | Path,
-                  split: str = "test", batch_size: int = 8) -> Predictions:
+def predict_split(
+    predict: Callable[[list[np.ndarray]], Iterable[Any]], data_dir: str | Path, split: str = "test", batch_size: int = 8
+) -> Predictions:
     """Predictions of `predict` (BGR images in, one boxes/conf/cls result per image out) over
     the split, `batch_size` images a call."""
     import cv2
@@ -271,11 +282,15 @@ def engine_predictions(config_or_engine: Any, data_dir: str | Path, split: str =
         with VisionEngine(dataclasses.replace(config_or_engine, conf=min(config_or_engine.conf, EVAL_CONF))) as engine:
             return engine_predictions(engine, data_dir, split)
     if not isinstance(config_or_engine, (VisionEngine, YoloRunner)):
-        raise ValueError(f"expected a VisionConfig, a dict of its fields, a VisionEngine or a YoloRunner, "
-                         f"got {type(config_or_engine).__name__}")
+        raise ValueError(
+            f"expected a VisionConfig, a dict of its fields, a VisionEngine or a YoloRunner, "
+            f"got {type(config_or_engine).__name__}"
+        )
     if config_or_engine.config.conf > EVAL_CONF:
-        raise ValueError(f"mAP needs predictions at conf <= {EVAL_CONF}; this engine runs at conf "
-                         f"{config_or_engine.config.conf} (pass its VisionConfig instead: it is run at {EVAL_CONF})")
+        raise ValueError(
+            f"mAP needs predictions at conf <= {EVAL_CONF}; this engine runs at conf "
+            f"{config_or_engine.config.conf} (pass its VisionConfig instead: it is run at {EVAL_CONF})"
+        )
     if isinstance(config_or_engine, YoloRunner):
         return predict_split(config_or_engine.predict, data_dir, split, config_or_engine.config.batching.max_batch_size)
     engine = config_or_engine

@@ -33,7 +33,8 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
-from runtime.vision.model import LoadedModel, anchors, head_output
+from runtime.vision.config import VisionConfig
+from runtime.vision.model import LoadedModel, anchors, head_output, load_model
 
 # Graph vs eager on the check input. float32: the raw-output tolerance of the Ultralytics parity
 # test (observed: 0). bfloat16 keeps ~3 significant digits, so only a gross error (a shape
@@ -95,8 +96,11 @@ def build_graph(model: LoadedModel, imgsz: int, cache_key: Hashable | None = Non
         return False
     rtol, atol = CHECK_TOLERANCE.get(model.dtype, CHECK_TOLERANCE[torch.bfloat16])
     if got.shape != expected.shape or not torch.allclose(got, expected, rtol=rtol, atol=atol):
-        warnings.warn("the traced graph disagrees with the eager model on a second input shape; running eager",
-                      RuntimeWarning, stacklevel=2)  # fmt: skip
+        warnings.warn(
+            "the traced graph disagrees with the eager model on a second input shape; running eager",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return False
     model.graph, model.graph_min_anchors = graph, min_anchors
     if cache_key is not None:
@@ -104,3 +108,25 @@ def build_graph(model: LoadedModel, imgsz: int, cache_key: Hashable | None = Non
         while len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
     return True
+
+
+def load_model_traced(config: VisionConfig, module: nn.Module | None = None) -> LoadedModel:
+    """`load_model`, plus the traced graph where `config.jit` asks for one (on CPU, where the
+    dispatch overhead it removes is the cost)."""
+    loaded = load_model(config, module)
+    if config.jit and loaded.device.type == "cpu":
+        key = None
+        if loaded.random_weights:  # the .yaml and the seed determine the weights
+            head = loaded.module.model[-1]
+            key = (
+                config.model,
+                config.seed,
+                config.imgsz,
+                config.resolved_dtype(),
+                config.channels_last,
+                loaded.end2end,
+                int(getattr(head, "max_det", 0)),
+                config.device,
+            )
+        build_graph(loaded, config.imgsz, key)
+    return loaded

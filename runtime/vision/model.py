@@ -14,8 +14,8 @@ from __future__ import annotations
 import copy
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -120,7 +120,8 @@ def _build(config: VisionConfig, module: nn.Module | None) -> tuple[nn.Module, b
 
 
 def load_model(config: VisionConfig, module: nn.Module | None = None) -> LoadedModel:
-    """The model of `config.model` (or a copy of `module`), ready for inference."""
+    """The model of `config.model` (or a copy of `module`), ready for eager inference;
+    runtime.vision.jit.load_model_traced adds the traced graph that `config.jit` asks for."""
     model, random_weights, description = _build(config, module)
     head = model.model[-1] if hasattr(model, "model") else None
     if head is None or not hasattr(head, "nc") or not hasattr(head, "stride"):
@@ -150,14 +151,16 @@ def load_model(config: VisionConfig, module: nn.Module | None = None) -> LoadedM
     if isinstance(names, (list, tuple)):
         names = dict(enumerate(names))
     stride = max(int(head.stride.max()), 32)
-    loaded = LoadedModel(model, dict(names), stride, end2end, random_weights, description, device, dtype,
-                         config.channels_last, tuple(int(v) for v in head.stride))  # fmt: skip
-    if config.jit and device.type == "cpu":
-        from runtime.vision.jit import build_graph
-
-        key = None
-        if random_weights:  # the .yaml and the seed determine the weights
-            key = (config.model, config.seed, config.imgsz, config.resolved_dtype(), config.channels_last, end2end,
-                   int(getattr(head, "max_det", 0)), config.device)  # fmt: skip
-        build_graph(loaded, config.imgsz, key)
+    loaded = LoadedModel(
+        model,
+        dict(names),
+        stride,
+        end2end,
+        random_weights,
+        description,
+        device,
+        dtype,
+        config.channels_last,
+        tuple(int(v) for v in head.stride),
+    )
     return loaded

@@ -84,5 +84,6 @@ def to_original(rows: torch.Tensor, box: Letterbox) -> np.ndarray:
 
 def detections(rows: np.ndarray, names: dict[int, str], box: Letterbox) -> Detections:
     cls = rows[:, 5].astype(np.int64)
-    return Detections(rows[:, :4].copy(), rows[:, 4].copy(), cls, [names.get(int(c), str(c)) for c in cls],
-                      box.orig_shape)  # fmt: skip
+    return Detections(
+        rows[:, :4].copy(), rows[:, 4].copy(), cls, [names.get(int(c), str(c)) for c in cls], box.orig_shape
+    )

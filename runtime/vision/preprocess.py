@@ -51,8 +51,10 @@ def plan_letterbox(orig_shape: tuple[int, int], imgsz: int, stride: int, rect: b
 
 def letterbox_into(image: np.ndarray, box: Letterbox, out: np.ndarray) -> None:
     """Write the letterboxed `image` into `out` (H x W x 3 uint8, the network input shape)."""
-    resized = image if (image.shape[1], image.shape[0]) == box.resized else cv2.resize(
-        image, box.resized, interpolation=cv2.INTER_LINEAR
+    resized = (
+        image
+        if (image.shape[1], image.shape[0]) == box.resized
+        else cv2.resize(image, box.resized, interpolation=cv2.INTER_LINEAR)
     )
     h, w = box.resized[1], box.resized[0]
     # Pad only the borders: filling the whole buffer would double the memory traffic.
@@ -126,8 +128,9 @@ class BatchBuffers:
         return sum(b.nbytes for b in self._state()[0].values())
 
 
-def to_tensor(batch_hwc: np.ndarray, device: torch.device, dtype: torch.dtype = torch.float32,
-              pinned: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def to_tensor(
+    batch_hwc: np.ndarray, device: torch.device, dtype: torch.dtype = torch.float32, pinned: torch.Tensor | None = None
+) -> torch.Tensor:
     """uint8 BGR NHWC -> RGB NCHW of `dtype` in [0, 1], in the same operation order as Ultralytics
     (transfer as uint8, flip channels, cast, then divide) so the input is bit-identical; on CUDA
     the cast goes straight to the model's dtype, as Ultralytics' `im.half()` does.

@@ -44,7 +44,7 @@ from torch import nn
 
 from runtime.memory import DeviceMemoryManager
 from runtime.vision.config import VisionConfig
-from runtime.vision.model import load_model
+from runtime.vision.jit import load_model_traced
 from runtime.vision.postprocess import Detections, detections, filter_end2end, nms, to_original
 from runtime.vision.preprocess import BatchBuffers, Letterbox, letterbox_into, plan_letterbox, to_tensor
 
@@ -75,8 +75,13 @@ class Prepared:
 
 
 class YoloRunner:
-    def __init__(self, config: VisionConfig | None = None, module: nn.Module | None = None,
-                 memory: DeviceMemoryManager | None = None, workers: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: VisionConfig | None = None,
+        module: nn.Module | None = None,
+        memory: DeviceMemoryManager | None = None,
+        workers: int = 1,
+    ) -> None:
         """workers: how many batches run at once (the engine's inference workers), for the
         memory reservation; the runner itself is safe to call from that many threads.
         config.num_threads, when set, applies to the calling thread (torch's setting is per thread)."""
@@ -84,7 +89,7 @@ class YoloRunner:
         self.workers = workers
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
-        self.model = load_model(self.config, module)
+        self.model = load_model_traced(self.config, module)
         self.names = self.model.names
         cuda = self.model.device.type == "cuda"
         self._buffers = BatchBuffers(pin_memory=cuda)
@@ -128,7 +133,9 @@ class YoloRunner:
                 if stream is None:
                     tensor = to_tensor(staging, self.model.device)
                 else:  # issued, not waited for: the next group is letterboxed while this one copies
-                    tensor = to_tensor(staging, self.model.device, self.model.dtype, self._buffers.pinned(shape, len(idx)))
+                    tensor = to_tensor(
+                        staging, self.model.device, self.model.dtype, self._buffers.pinned(shape, len(idx))
+                    )
                 groups.append((idx, tensor, [boxes[i] for i in idx]))
             ready = None
             if stream is not None:
@@ -175,7 +182,11 @@ class YoloRunner:
         n = prepared.size
         for d in out:  # per-image share of the batch's stage times, as Ultralytics reports speed
             d.batch_size = n
-            d.timings = {"preprocess": prepared.preprocess_ms / n, "inference": infer_ms / n, "postprocess": post_ms / n}
+            d.timings = {
+                "preprocess": prepared.preprocess_ms / n,
+                "inference": infer_ms / n,
+                "postprocess": post_ms / n,
+            }
         return out  # type: ignore[return-value]
 
     def predict(self, images: list[np.ndarray]) -> list[Detections]:
@@ -250,8 +261,10 @@ class YoloRunner:
                 return sum(nbytes(v) for v in t.values())
             return 0
 
-        hooks = [m.register_forward_hook(lambda m, i, o, k=k: sizes.append((k, nbytes(i), nbytes(o))))
-                 for k, m in enumerate(layers or [])]  # fmt: skip
+        hooks = [
+            m.register_forward_hook(lambda m, i, o, k=k: sizes.append((k, nbytes(i), nbytes(o))))
+            for k, m in enumerate(layers or [])
+        ]
         try:
             self.model.forward(torch.zeros((1, 3, s, s), device=dev), eager=True)  # the graph calls no hooks
         finally:

@@ -22,13 +22,21 @@ import numpy as np
 from runtime.vision.detector import CLASSES
 
 
-def draw_image(rng: np.random.Generator, size: int, max_objects: int = 6) -> tuple[np.ndarray, list[tuple[int, float, float, float, float]]]:
+def draw_image(
+    rng: np.random.Generator, size: int, max_objects: int = 6
+) -> tuple[np.ndarray, list[tuple[int, float, float, float, float]]]:
     """One BGR image [size, size, 3] and its labels [(class, x1, y1, x2, y2)] in pixels."""
     base = rng.integers(0, 256, 3)
     img = np.clip(base + rng.normal(0, 18, (size, size, 3)), 0, 255).astype(np.uint8)
     for _ in range(int(rng.integers(0, 4))):  # distractors: lines are not objects
         p1, p2 = rng.integers(0, size, 2), rng.integers(0, size, 2)
-        cv2.line(img, (int(p1[0]), int(p1[1])), (int(p2[0]), int(p2[1])), rng.integers(0, 256, 3).tolist(), int(rng.integers(1, 4)))
+        cv2.line(
+            img,
+            (int(p1[0]), int(p1[1])),
+            (int(p2[0]), int(p2[1])),
+            rng.integers(0, 256, 3).tolist(),
+            int(rng.integers(1, 4)),
+        )
     labels = []
     for _ in range(int(rng.integers(1, max_objects + 1))):
         cls = int(rng.integers(0, len(CLASSES)))
@@ -44,8 +52,12 @@ def draw_image(rng: np.random.Generator, size: int, max_objects: int = 6) -> tup
         else:
             n = 4 if cls == 1 else 3
             angle = rng.uniform(0, 2 * math.pi)
-            pts = np.array([(cx + r * math.cos(angle + 2 * math.pi * k / n), cy + r * math.sin(angle + 2 * math.pi * k / n))
-                            for k in range(n)])  # fmt: skip
+            pts = np.array(
+                [
+                    (cx + r * math.cos(angle + 2 * math.pi * k / n), cy + r * math.sin(angle + 2 * math.pi * k / n))
+                    for k in range(n)
+                ]
+            )
             cv2.fillPoly(img, [np.round(pts).astype(np.int32)], colour, cv2.LINE_AA)
             box = (pts[:, 0].min(), pts[:, 1].min(), pts[:, 0].max(), pts[:, 1].max())
         x1, y1, x2, y2 = (float(np.clip(v, 0, size)) for v in box)
@@ -61,8 +73,10 @@ def write_split(out: str | Path, split: str, count: int, imgsz: int, rng: np.ran
     for i in range(count):
         img, labels = draw_image(rng, imgsz)
         cv2.imwrite(str(out / "images" / split / f"{i:05d}.jpg"), img, [cv2.IMWRITE_JPEG_QUALITY, 95])
-        lines = [f"{c} {(x1 + x2) / 2 / imgsz:.6f} {(y1 + y2) / 2 / imgsz:.6f} {(x2 - x1) / imgsz:.6f} {(y2 - y1) / imgsz:.6f}"
-                 for c, x1, y1, x2, y2 in labels]  # fmt: skip
+        lines = [
+            f"{c} {(x1 + x2) / 2 / imgsz:.6f} {(y1 + y2) / 2 / imgsz:.6f} {(x2 - x1) / imgsz:.6f} {(y2 - y1) / imgsz:.6f}"
+            for c, x1, y1, x2, y2 in labels
+        ]
         (out / "labels" / split / f"{i:05d}.txt").write_text("\n".join(lines) + "\n")
 
 

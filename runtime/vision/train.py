@@ -17,8 +17,15 @@ import time
 from pathlib import Path
 
 
-def train(out: str | Path, epochs: int, train_images: int = 600, val_images: int = 150, imgsz: int = 320,
-          batch: int = 16, seed: int = 0) -> dict:  # fmt: skip
+def train(
+    out: str | Path,
+    epochs: int,
+    train_images: int = 600,
+    val_images: int = 150,
+    imgsz: int = 320,
+    batch: int = 16,
+    seed: int = 0,
+) -> dict:
     from runtime.vision.synthetic import write_dataset
     from runtime.vision.ultralytics_import import import_ultralytics
 
@@ -31,11 +38,26 @@ def train(out: str | Path, epochs: int, train_images: int = 600, val_images: int
     t0 = time.perf_counter()
     model = YOLO("yolo26n.yaml")
     result = model.train(
-        data=str(data), epochs=epochs, imgsz=imgsz, batch=batch, device="cpu", workers=0, seed=seed,
-        deterministic=True, plots=False, amp=False, project=str(out), name="train", exist_ok=True,
-    )  # fmt: skip
+        data=str(data),
+        epochs=epochs,
+        imgsz=imgsz,
+        batch=batch,
+        device="cpu",
+        workers=0,
+        seed=seed,
+        deterministic=True,
+        plots=False,
+        amp=False,
+        project=str(out),
+        name="train",
+        exist_ok=True,
+    )
     metrics = dict(result.results_dict) if result is not None else {}
-    return {"seconds": time.perf_counter() - t0, "weights": str(out / "train" / "weights" / "best.pt"), "metrics": metrics}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "weights": str(out / "train" / "weights" / "best.pt"),
+        "metrics": metrics,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

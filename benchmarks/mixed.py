@@ -34,8 +34,11 @@ def add_bench_arguments(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--out", default="bench_out")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vision-only", action="store_true",
-                   help="instead: images/s of a vision-only Runtime against the standalone VisionEngine")  # fmt: skip
+    p.add_argument(
+        "--vision-only",
+        action="store_true",
+        help="instead: images/s of a vision-only Runtime against the standalone VisionEngine",
+    )
     p.add_argument("--rounds", type=int, default=5, help="--vision-only: alternating rounds of each")
 
 
@@ -49,10 +52,16 @@ def _vision_config(args) -> dict:
 
 def _workload(args) -> MixedWorkload:
     return MixedWorkload(
-        num_requests=args.num_requests, request_rate=args.rate, max_tokens=args.max_tokens,
-        llm_deadline_s=args.llm_deadline, num_streams=args.streams, fps=args.fps,
-        frame_deadline_s=args.frame_deadline, duration_s=args.duration, seed=args.seed,
-    )  # fmt: skip
+        num_requests=args.num_requests,
+        request_rate=args.rate,
+        max_tokens=args.max_tokens,
+        llm_deadline_s=args.llm_deadline,
+        num_streams=args.streams,
+        fps=args.fps,
+        frame_deadline_s=args.frame_deadline,
+        duration_s=args.duration,
+        seed=args.seed,
+    )
 
 
 class _EngineAdapter:
@@ -62,7 +71,7 @@ class _EngineAdapter:
         self.engine = engine
 
     def submit_detect(self, item, deadline_s=None):
-        return self.engine.submit(item, timeout_ms=None if deadline_s is None else deadline_s * 1000)
+        return self.engine.submit(item, deadline_s=deadline_s)
 
 
 def _separate_process(kind: str, args, ready, start, results) -> None:
@@ -107,8 +116,9 @@ def run_two_processes(args) -> MixedReport:
     halves = dict(results.get(timeout=3600) for _ in procs)
     for p in procs:
         p.join(60)
-    return MixedReport(wall_s=max(h["wall_s"] for h in halves.values()), llm=halves["llm"]["llm"],
-                       vision=halves["vision"]["vision"])  # fmt: skip
+    return MixedReport(
+        wall_s=max(h["wall_s"] for h in halves.values()), llm=halves["llm"]["llm"], vision=halves["vision"]["vision"]
+    )
 
 
 def run_one_runtime(args) -> MixedReport:
@@ -123,13 +133,18 @@ def run_one_runtime(args) -> MixedReport:
 def _row(name: str, r: MixedReport) -> dict:
     return {
         "setup": name,
-        "ttft_p50_ms": r.llm["ttft_ms"]["p50"], "ttft_p99_ms": r.llm["ttft_ms"]["p99"],
-        "itl_p50_ms": r.llm["itl_ms"]["p50"], "itl_p99_ms": r.llm["itl_ms"]["p99"],
-        "frame_p50_ms": r.vision["latency_ms"]["p50"], "frame_p99_ms": r.vision["latency_ms"]["p99"],
-        "llm_tokens_per_s": r.llm["tokens_per_s"], "frames_per_s": r.vision["frames_per_s"],
-        "llm_deadline_met": r.llm["deadline_met"], "frame_deadline_met": r.vision["deadline_met"],
+        "ttft_p50_ms": r.llm["ttft_ms"]["p50"],
+        "ttft_p99_ms": r.llm["ttft_ms"]["p99"],
+        "itl_p50_ms": r.llm["itl_ms"]["p50"],
+        "itl_p99_ms": r.llm["itl_ms"]["p99"],
+        "frame_p50_ms": r.vision["latency_ms"]["p50"],
+        "frame_p99_ms": r.vision["latency_ms"]["p99"],
+        "llm_tokens_per_s": r.llm["tokens_per_s"],
+        "frames_per_s": r.vision["frames_per_s"],
+        "llm_deadline_met": r.llm["deadline_met"],
+        "frame_deadline_met": r.vision["deadline_met"],
         "all_deadline_met": share_met(r),
-    }  # fmt: skip
+    }
 
 
 def run_vision_only(args) -> int:
@@ -137,34 +152,39 @@ def run_vision_only(args) -> int:
     the same images, all submitted at once, rounds alternating between the two, medians."""
     import statistics
 
+    from benchmarks.vision import bench_images, throughput
     from runtime.runtime import Runtime
-    from runtime.vision.bench import _images, _throughput
     from runtime.vision.config import VisionConfig
     from runtime.vision.engine import VisionEngine
 
     out = Path(args.out)
-    paths = _images(str(out / "bench_images"), 64)
+    paths = bench_images(str(out / "bench_images"), 64)
     config = {"imgsz": 640, "device": "cpu", "batching": {"max_batch_size": 8}}
     engine = VisionEngine(VisionConfig.from_dict(config))
     runtime = Runtime(vision=config)
 
-    class _Submit:  # the Runtime behind the engine's submit(), for _throughput
+    class _Submit:  # the Runtime behind the engine's submit(), for throughput
         submit = staticmethod(runtime.submit_detect)
 
     rates: dict[str, list[float]] = {"VisionEngine": [], "Runtime (vision only)": []}
     try:
         for k in range(args.rounds):
-            rates["VisionEngine"].append(_throughput(engine, paths))
-            rates["Runtime (vision only)"].append(_throughput(_Submit, paths))
-            print(f"round {k + 1}: VisionEngine {rates['VisionEngine'][-1]:.2f}, Runtime "
-                  f"{rates['Runtime (vision only)'][-1]:.2f} images/s", flush=True)  # fmt: skip
+            rates["VisionEngine"].append(throughput(engine, paths))
+            rates["Runtime (vision only)"].append(throughput(_Submit, paths))
+            print(
+                f"round {k + 1}: VisionEngine {rates['VisionEngine'][-1]:.2f}, Runtime "
+                f"{rates['Runtime (vision only)'][-1]:.2f} images/s",
+                flush=True,
+            )
     finally:
         engine.close()
         runtime.close()
     med = {k: statistics.median(v) for k, v in rates.items()}
     ratio = med["Runtime (vision only)"] / med["VisionEngine"]
-    print(f"median images/s: VisionEngine {med['VisionEngine']:.2f}, Runtime {med['Runtime (vision only)']:.2f}: "
-          f"{ratio:.3f}x (target >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})")  # fmt: skip
+    print(
+        f"median images/s: VisionEngine {med['VisionEngine']:.2f}, Runtime {med['Runtime (vision only)']:.2f}: "
+        f"{ratio:.3f}x (target >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})"
+    )
     out.mkdir(parents=True, exist_ok=True)
     (out / "vision_only.json").write_text(json.dumps({"rates": rates, "median": med, "ratio": ratio}, indent=2))
     import matplotlib
@@ -192,9 +212,11 @@ def run_bench(args) -> int:
     if args.vision_only:
         return run_vision_only(args)
     w = _workload(args)
-    print(f"workload: {w.num_requests} chat requests at {w.request_rate}/s (max {w.max_tokens} tokens, deadline "
-          f"{w.llm_deadline_s} s) + {w.num_streams} cameras at {w.fps} fps for {w.duration_s} s (deadline "
-          f"{w.frame_deadline_s * 1000:.0f} ms), {args.dtype}")  # fmt: skip
+    print(
+        f"workload: {w.num_requests} chat requests at {w.request_rate}/s (max {w.max_tokens} tokens, deadline "
+        f"{w.llm_deadline_s} s) + {w.num_streams} cameras at {w.fps} fps for {w.duration_s} s (deadline "
+        f"{w.frame_deadline_s * 1000:.0f} ms), {args.dtype}"
+    )
     print("(a) one Runtime ...", flush=True)
     one = run_one_runtime(args)
     print("(b) two processes sharing the cores ...", flush=True)
@@ -210,13 +232,20 @@ def run_bench(args) -> int:
         "llm_throughput_ratio": a["llm_tokens_per_s"] / b["llm_tokens_per_s"] if b["llm_tokens_per_s"] else None,
         "vision_throughput_ratio": a["frames_per_s"] / b["frames_per_s"] if b["frames_per_s"] else None,
     }
-    print(f"target: the Runtime meets more deadlines ({a['all_deadline_met']:.1%} vs {b['all_deadline_met']:.1%}: "
-          f"{'met' if verdict['more_deadlines_met'] else 'NOT met'}) with at least their throughput "
-          f"(LLM {verdict['llm_throughput_ratio']:.2f}x, vision {verdict['vision_throughput_ratio']:.2f}x)")  # fmt: skip
+    print(
+        f"target: the Runtime meets more deadlines ({a['all_deadline_met']:.1%} vs {b['all_deadline_met']:.1%}: "
+        f"{'met' if verdict['more_deadlines_met'] else 'NOT met'}) with at least their throughput "
+        f"(LLM {verdict['llm_throughput_ratio']:.2f}x, vision {verdict['vision_throughput_ratio']:.2f}x)"
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"args": vars(args), "workload": asdict(w), "rows": rows, "verdict": verdict,
-              "raw": {"one_runtime": one.as_dict(), "two_processes": two.as_dict()}}  # fmt: skip
+    report = {
+        "args": vars(args),
+        "workload": asdict(w),
+        "rows": rows,
+        "verdict": verdict,
+        "raw": {"one_runtime": one.as_dict(), "two_processes": two.as_dict()},
+    }
     (out / "mixed.json").write_text(json.dumps(report, indent=2, default=str))
     _plot(rows, out / "mixed.png")
     print(f"wrote {out / 'mixed.json'} and {out / 'mixed.png'}")
@@ -224,11 +253,23 @@ def run_bench(args) -> int:
 
 
 def _print(rows: list[dict]) -> None:
-    cols = [("setup", "{:<14}"), ("ttft_p50_ms", "{:>9.0f}"), ("ttft_p99_ms", "{:>9.0f}"), ("itl_p50_ms", "{:>8.0f}"),
-            ("itl_p99_ms", "{:>8.0f}"), ("frame_p50_ms", "{:>9.0f}"), ("frame_p99_ms", "{:>9.0f}"),
-            ("llm_tokens_per_s", "{:>8.1f}"), ("frames_per_s", "{:>7.2f}"), ("llm_deadline_met", "{:>7.0%}"),
-            ("frame_deadline_met", "{:>7.0%}"), ("all_deadline_met", "{:>7.0%}")]  # fmt: skip
-    print("setup           TTFT p50  TTFT p99  ITL p50  ITL p99  frame p50 frame p99   tok/s  frames/s  LLM ok frame ok  all ok")
+    cols = [
+        ("setup", "{:<14}"),
+        ("ttft_p50_ms", "{:>9.0f}"),
+        ("ttft_p99_ms", "{:>9.0f}"),
+        ("itl_p50_ms", "{:>8.0f}"),
+        ("itl_p99_ms", "{:>8.0f}"),
+        ("frame_p50_ms", "{:>9.0f}"),
+        ("frame_p99_ms", "{:>9.0f}"),
+        ("llm_tokens_per_s", "{:>8.1f}"),
+        ("frames_per_s", "{:>7.2f}"),
+        ("llm_deadline_met", "{:>7.0%}"),
+        ("frame_deadline_met", "{:>7.0%}"),
+        ("all_deadline_met", "{:>7.0%}"),
+    ]
+    print(
+        "setup           TTFT p50  TTFT p99  ITL p50  ITL p99  frame p50 frame p99   tok/s  frames/s  LLM ok frame ok  all ok"
+    )
     for r in rows:
         print(" ".join(fmt.format(r[k]) if r[k] is not None else f"{'-':>8}" for k, fmt in cols))
 
@@ -242,15 +283,24 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     names = [r["setup"] for r in rows]
     panels = [
-        ("latency p50 / p99 (ms)", ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "frame_p50_ms", "frame_p99_ms"]),
+        (
+            "latency p50 / p99 (ms)",
+            ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "frame_p50_ms", "frame_p99_ms"],
+        ),
         ("throughput", ["llm_tokens_per_s", "frames_per_s"]),
         ("deadlines met", ["llm_deadline_met", "frame_deadline_met", "all_deadline_met"]),
-    ]  # fmt: skip
+    ]
     for ax, (title, keys) in zip(axes, panels):
         width = 0.8 / len(rows)
         for i, r in enumerate(rows):
             ax.bar([k + i * width for k in range(len(keys))], [r[k] or 0 for k in keys], width, label=names[i])
-        ax.set_xticks([k + width / 2 for k in range(len(keys))], [k.replace("_", " ") for k in keys], rotation=30, ha="right", fontsize=7)
+        ax.set_xticks(
+            [k + width / 2 for k in range(len(keys))],
+            [k.replace("_", " ") for k in keys],
+            rotation=30,
+            ha="right",
+            fontsize=7,
+        )
         ax.set_title(title)
         ax.legend(fontsize=7)
     fig.suptitle("tandem bench mixed: one Runtime vs two processes sharing the cores")

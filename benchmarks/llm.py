@@ -12,7 +12,7 @@ member earns nothing for it).
     poisson  the short trace's requests, arriving by a seeded Poisson process at --rate per second
 
 Each contestant runs in a fresh process, one per dtype (Tandem: `python -m
-runtime.llm.bench_contestants`; vLLM: its own Python on runtime/llm/bench_vllm.py), with the same
+benchmarks.llm_contestants`; vLLM: its own Python on benchmarks/llm_vllm.py), with the same
 warm-up (two short requests, not measured), the same slots, max_model_len and KV cache size,
 and prefix caching off. The parent writes the traces to <out>/llm_traces.json, each child
 writes its raw records to <out>/result-<contestant>-<dtype>.json, and the parent summarises
@@ -39,15 +39,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from workers.bench_serve import (
-    VLLM_PYTHON,
-    _model_dir,
-    _no_nan,
-    _python_env,
-    arrival_offsets,
-    percentile,
-    random_prompts,
-)
+from benchmarks.common import VLLM_PYTHON, arrival_offsets, model_dir, no_nan, percentile, python_env, random_prompts
 
 TRACES = ("short", "long", "poisson")
 DTYPES = ("float32", "bfloat16")
@@ -57,7 +49,7 @@ QUICK_SHAPES = {"short": (4, (8, 32), (4, 16)), "long": (2, (64, 128), (4, 8))}
 WARMUP = ((32, 8), (256, 8))  # (prompt tokens, output tokens) of the two warm-up requests
 QUICK_WARMUP = ((16, 4), (64, 4))
 QUICK_RATE = 8.0
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 CONTINUOUS, STATIC, VLLM, HF = "tandem continuous", "tandem static", "vllm", "hf generate"
 CHILD_NAMES = {CONTINUOUS: "tandem-continuous", STATIC: "tandem-static", VLLM: "vllm", HF: "hf-generate"}
 
@@ -66,18 +58,30 @@ def add_bench_arguments(p) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--traces", default=",".join(TRACES), help=f"comma-separated, of {', '.join(TRACES)}")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of float32, bfloat16")
-    p.add_argument("--num-requests", type=int, default=None,
-                   help="requests of the short and poisson traces (default 48; long gets half)")
-    p.add_argument("--rate", type=float, default=None,
-                   help="requests/s of the poisson trace (default 1.0; 8 with --quick)")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests of the short and poisson traces (default 48; long gets half)",
+    )
+    p.add_argument(
+        "--rate", type=float, default=None, help="requests/s of the poisson trace (default 1.0; 8 with --quick)"
+    )
     p.add_argument("--slots", type=int, default=16, help="max_num_seqs of every engine")
     p.add_argument("--max-model-len", type=int, default=2048, help="of every engine")
-    p.add_argument("--kv-cache-gib", type=float, default=4.0,
-                   help="KV cache of every engine (vLLM: VLLM_CPU_KVCACHE_SPACE, whole GiB)")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=4.0,
+        help="KV cache of every engine (vLLM: VLLM_CPU_KVCACHE_SPACE, whole GiB)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
-    p.add_argument("--vllm-python", default=VLLM_PYTHON if os.path.exists(VLLM_PYTHON) else None,
-                   help=f"Python of a vllm-cpu venv (default: {VLLM_PYTHON} when present)")
+    p.add_argument(
+        "--vllm-python",
+        default=VLLM_PYTHON if os.path.exists(VLLM_PYTHON) else None,
+        help=f"Python of a vllm-cpu venv (default: {VLLM_PYTHON} when present)",
+    )
     p.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
     p.add_argument("--with-hf", action="store_true", help="add Hugging Face generate in static batches (slow)")
     p.add_argument("--no-floor", action="store_true", help="skip the step-against-its-floor measurement")
@@ -93,18 +97,27 @@ def loguniform_lengths(n: int, lo: int, hi: int, rng: random.Random) -> list[int
     return [min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))) for _ in range(n)]
 
 
-def make_requests(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int,
-                  seed: int | str) -> list[dict]:  # fmt: skip
+def make_requests(
+    n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int, seed: int | str
+) -> list[dict]:
     """n requests, all arriving at t=0: random prompt ids of log-uniform lengths, log-uniform outputs."""
     rng = random.Random(f"{seed}-lengths")
     prompt_lens = loguniform_lengths(n, *prompt_range, rng)
     outputs = loguniform_lengths(n, *output_range, rng)
-    return [{"prompt": random_prompts(1, p, vocab_size, f"{seed}-prompt-{i}")[0], "max_tokens": o, "arrival_s": 0.0}
-            for i, (p, o) in enumerate(zip(prompt_lens, outputs))]  # fmt: skip
+    return [
+        {"prompt": random_prompts(1, p, vocab_size, f"{seed}-prompt-{i}")[0], "max_tokens": o, "arrival_s": 0.0}
+        for i, (p, o) in enumerate(zip(prompt_lens, outputs))
+    ]
 
 
-def make_traces(names: list[str], vocab_size: int, seed: int, num_requests: int | None = None,
-                rate: float | None = None, quick: bool = False) -> dict:  # fmt: skip
+def make_traces(
+    names: list[str],
+    vocab_size: int,
+    seed: int,
+    num_requests: int | None = None,
+    rate: float | None = None,
+    quick: bool = False,
+) -> dict:
     """{"warmup": requests, "order": names, "traces": {name: {"requests", and what made them}}}."""
     shapes = QUICK_SHAPES if quick else TRACE_SHAPES
     rate = rate if rate is not None else (QUICK_RATE if quick else 1.0)
@@ -115,42 +128,28 @@ def make_traces(names: list[str], vocab_size: int, seed: int, num_requests: int 
         if num_requests is not None:
             n = num_requests if base == "short" else max(1, math.ceil(num_requests / 2))
         requests = make_requests(n, prompts, outputs, vocab_size, f"{seed}-{base}")
-        meta = {"num_requests": n, "prompt_range": list(prompts), "output_range": list(outputs),
-                "asked_tokens": sum(r["max_tokens"] for r in requests), "arrivals": "all at t=0"}  # fmt: skip
+        meta = {
+            "num_requests": n,
+            "prompt_range": list(prompts),
+            "output_range": list(outputs),
+            "asked_tokens": sum(r["max_tokens"] for r in requests),
+            "arrivals": "all at t=0",
+        }
         if name == "poisson":
             for r, t in zip(requests, arrival_offsets(n, rate, seed)):
                 r["arrival_s"] = t
-            meta.update(arrivals=f"Poisson, {rate:g} requests/s (seed {seed})", rate=rate,
-                        last_arrival_s=requests[-1]["arrival_s"])  # fmt: skip
+            meta.update(
+                arrivals=f"Poisson, {rate:g} requests/s (seed {seed})",
+                rate=rate,
+                last_arrival_s=requests[-1]["arrival_s"],
+            )
         traces[name] = {**meta, "requests": requests}
     warm = QUICK_WARMUP if quick else WARMUP
-    warmup = [{"prompt": random_prompts(1, p, vocab_size, f"{seed}-warmup-{i}")[0], "max_tokens": o, "arrival_s": 0.0}
-              for i, (p, o) in enumerate(warm)]  # fmt: skip
+    warmup = [
+        {"prompt": random_prompts(1, p, vocab_size, f"{seed}-warmup-{i}")[0], "max_tokens": o, "arrival_s": 0.0}
+        for i, (p, o) in enumerate(warm)
+    ]
     return {"warmup": warmup, "order": list(names), "traces": traces}
-
-
-# The chat workload of `tandem bench jobs` (workers/bench.py): chat prompts with output lengths
-# drawn at random, log-uniform or uniform. This bench itself uses the token-id traces above.
-QUESTIONS = [
-    "What is the capital of France?", "Explain photosynthesis to a child.", "Write a short poem about rain.",
-    "List three uses of copper.", "Why is the sky blue?", "Give me a recipe idea with lentils.",
-    "What causes tides?", "Summarise the plot of a heist movie you invent.", "How do vaccines work?",
-    "Suggest a name for a bakery.", "What is a prime number?", "Describe a sunset over the sea.",
-]  # fmt: skip
-
-
-def _workload(tokenizer, n: int, lo: int, hi: int, seed: int, dist: str) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(seed)
-    draw = (lambda: round(math.exp(rng.uniform(math.log(lo), math.log(hi))))) if dist == "loguniform" else (
-        lambda: rng.randint(lo, hi)
-    )
-    prompts, lengths = [], []
-    for i in range(n):
-        msgs = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
-        lengths.append(draw())
-    return prompts, lengths
 
 
 # ---------------------------------------------------------------- summaries and ratios
@@ -167,15 +166,22 @@ def summarize_run(run: dict) -> dict:
     ttft = [r["ttft_s"] for r in reqs if r.get("ttft_s") is not None]
     ms = lambda q: 1000 * percentile(ttft, q) if ttft else None  # noqa: E731
     return {
-        "num_requests": len(reqs), "asked_tokens": asked, "useful_tokens": useful,
-        "produced_tokens": sum(r["produced"] for r in reqs), "seconds": seconds,
-        "tokens_per_s": useful / seconds if seconds > 0 else 0.0, "steps": run.get("steps"),
+        "num_requests": len(reqs),
+        "asked_tokens": asked,
+        "useful_tokens": useful,
+        "produced_tokens": sum(r["produced"] for r in reqs),
+        "seconds": seconds,
+        "tokens_per_s": useful / seconds if seconds > 0 else 0.0,
+        "steps": run.get("steps"),
         "ms_per_step": 1000 * seconds / run["steps"] if run.get("steps") else None,
         "mean_running": statistics.fmean(running) if running else None,
         "mean_batch": statistics.fmean(batch) if batch else None,
-        "kv_mean": statistics.fmean(kv) if kv else None, "kv_peak": max(kv) if kv else None,
-        "ttft_p50_ms": ms(50), "ttft_p99_ms": ms(99), "preemptions": run.get("preemptions"),
-    }  # fmt: skip
+        "kv_mean": statistics.fmean(kv) if kv else None,
+        "kv_peak": max(kv) if kv else None,
+        "ttft_p50_ms": ms(50),
+        "ttft_p99_ms": ms(99),
+        "preemptions": run.get("preemptions"),
+    }
 
 
 def _ratio(a, b) -> float | None:
@@ -191,14 +197,17 @@ def compute_ratios(rows: list[dict]) -> list[dict]:
         c, s, v = (by.get((dtype, trace, name)) for name in (CONTINUOUS, STATIC, VLLM))
         if c is None:
             continue
-        out.append({
-            "dtype": dtype, "trace": trace,
-            "continuous_over_vllm": _ratio(c["tokens_per_s"], v and v["tokens_per_s"]),
-            "continuous_over_static": _ratio(c["tokens_per_s"], s and s["tokens_per_s"]),
-            "static_steps_over_continuous": _ratio(s and s["steps"], c["steps"]),
-            "ttft_p50_static_over_continuous": _ratio(s and s["ttft_p50_ms"], c["ttft_p50_ms"]),
-            "ttft_p50_continuous_over_vllm": _ratio(c["ttft_p50_ms"], v and v["ttft_p50_ms"]),
-        })  # fmt: skip
+        out.append(
+            {
+                "dtype": dtype,
+                "trace": trace,
+                "continuous_over_vllm": _ratio(c["tokens_per_s"], v and v["tokens_per_s"]),
+                "continuous_over_static": _ratio(c["tokens_per_s"], s and s["tokens_per_s"]),
+                "static_steps_over_continuous": _ratio(s and s["steps"], c["steps"]),
+                "ttft_p50_static_over_continuous": _ratio(s and s["ttft_p50_ms"], c["ttft_p50_ms"]),
+                "ttft_p50_continuous_over_vllm": _ratio(c["ttft_p50_ms"], v and v["ttft_p50_ms"]),
+            }
+        )
     return out
 
 
@@ -222,12 +231,14 @@ def validate_args(args) -> str | None:
     if not args.timeout > 0:
         return f"--timeout must be > 0, got {args.timeout}"
     shapes = QUICK_SHAPES if args.quick else TRACE_SHAPES
-    need = max(shapes["short" if t == "poisson" else t][1][1] + shapes["short" if t == "poisson" else t][2][1]
-               for t in traces)  # fmt: skip
+    need = max(
+        shapes["short" if t == "poisson" else t][1][1] + shapes["short" if t == "poisson" else t][2][1] for t in traces
+    )
     need = max(need, *(p + o for p, o in (QUICK_WARMUP if args.quick else WARMUP)))
     if args.max_model_len < need:
-        return (f"--max-model-len must hold the longest prompt + output of these traces ({need}), "
-                f"got {args.max_model_len}")
+        return (
+            f"--max-model-len must hold the longest prompt + output of these traces ({need}), got {args.max_model_len}"
+        )
     return None
 
 
@@ -241,8 +252,9 @@ class _Child:
     def __init__(self, cmd: list[str], log_path: Path, env: dict, cwd: str, bars_only: bool = False) -> None:
         self.log_path, self.bars_only = log_path, bars_only  # bars_only: echo progress bars, not logs
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+        )
         self._copier = threading.Thread(target=self._copy, daemon=True)
         self._copier.start()
 
@@ -312,19 +324,37 @@ def log_tail(path: Path, num_lines: int = 20) -> str:
 
 
 def _child_command(contestant: str, args, dtype: str, traces_file: Path, result: Path, hf_dir: str) -> list[str]:
-    common = ["--traces-file", str(traces_file), "--result", str(result), "--dtype", dtype,
-              "--slots", str(args.slots), "--max-model-len", str(args.max_model_len)]  # fmt: skip
+    common = [
+        "--traces-file",
+        str(traces_file),
+        "--result",
+        str(result),
+        "--dtype",
+        dtype,
+        "--slots",
+        str(args.slots),
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
     if contestant == VLLM:
-        return [args.vllm_python, "-P", str(Path(__file__).with_name("bench_vllm.py")), *common, "--model-dir", hf_dir]
-    cmd = [sys.executable, "-m", "runtime.llm.bench_contestants", "--contestant", CHILD_NAMES[contestant], *common,
-           "--kv-cache-gib", str(args.kv_cache_gib)]  # fmt: skip
+        return [args.vllm_python, "-P", str(Path(__file__).with_name("llm_vllm.py")), *common, "--model-dir", hf_dir]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.llm_contestants",
+        "--contestant",
+        CHILD_NAMES[contestant],
+        *common,
+        "--kv-cache-gib",
+        str(args.kv_cache_gib),
+    ]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--floor"] if contestant == CONTINUOUS and not args.no_floor else []
     return cmd
 
 
 def _child_env(contestant: str, args) -> dict:
-    env = _python_env()
+    env = python_env()
     if contestant == VLLM:
         env = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.kv_cache_gib))
@@ -362,7 +392,7 @@ def run_contestant(contestant: str, args, dtype: str, out: Path, traces_file: Pa
 
 
 def vllm_state(args) -> str:
-    """"run", or "not run: " and why, in plain words for the output and the JSON."""
+    """ "run", or "not run: " and why, in plain words for the output and the JSON."""
     if args.no_vllm:
         return "not run: --no-vllm"
     if not args.vllm_python:
@@ -381,20 +411,26 @@ def run_bench(args) -> int:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    hf_dir, vocab_size = _model_dir(args.model)
+    hf_dir, vocab_size = model_dir(args.model)
     data = make_traces(traces, vocab_size, args.seed, args.num_requests, args.rate, args.quick)
     traces_file = out / "llm_traces.json"
     traces_file.write_text(json.dumps(data))
     vllm_status = vllm_state(args)
     contestants = [CONTINUOUS, STATIC] + ([VLLM] if vllm_status == "run" else []) + ([HF] if args.with_hf else [])
-    print(f"model {hf_dir}; {args.slots} slots, max_model_len {args.max_model_len}, KV cache {args.kv_cache_gib:g} GiB "
-          f"each, prefix caching off; prompts are random token ids (seed {args.seed}), outputs ignore EOS; "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+    print(
+        f"model {hf_dir}; {args.slots} slots, max_model_len {args.max_model_len}, KV cache {args.kv_cache_gib:g} GiB "
+        f"each, prefix caching off; prompts are random token ids (seed {args.seed}), outputs ignore EOS; "
+        f"load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     for name in traces:
         t = data["traces"][name]
-        print(f"  {name}: {t['num_requests']} requests, prompts {t['prompt_range'][0]}..{t['prompt_range'][1]} "
-              f"tokens, outputs {t['output_range'][0]}..{t['output_range'][1]} ({t['asked_tokens']} asked), "
-              f"{t['arrivals']}", flush=True)  # fmt: skip
+        print(
+            f"  {name}: {t['num_requests']} requests, prompts {t['prompt_range'][0]}..{t['prompt_range'][1]} "
+            f"tokens, outputs {t['output_range'][0]}..{t['output_range'][1]} ({t['asked_tokens']} asked), "
+            f"{t['arrivals']}",
+            flush=True,
+        )
     print(f"  vLLM: {vllm_status}" + (f" ({args.vllm_python})" if vllm_status == "run" else ""), flush=True)
 
     rows, results = [], []
@@ -406,14 +442,19 @@ def run_bench(args) -> int:
             results.append({"contestant": contestant, "dtype": dtype, **res})
             new = rows_of(contestant, dtype, traces, res)
             rows += new
-            done = "; ".join(f"{r['trace']} {r['tokens_per_s']:.1f} tok/s in {r['seconds']:.1f} s" for r in new
-                             if "tokens_per_s" in r)  # fmt: skip
+            done = "; ".join(
+                f"{r['trace']} {r['tokens_per_s']:.1f} tok/s in {r['seconds']:.1f} s"
+                for r in new
+                if "tokens_per_s" in r
+            )
             status = "FAILED" if "error" in res else "done"
-            print(f"[{dtype}] {contestant}: {status} in {time.monotonic() - t0:.0f} s" + (f": {done}" if done else ""),
-                  flush=True)  # fmt: skip
+            print(
+                f"[{dtype}] {contestant}: {status} in {time.monotonic() - t0:.0f} s" + (f": {done}" if done else ""),
+                flush=True,
+            )
     report = build_report(args, hf_dir, data, vllm_status, results, rows)
     print_report(report)
-    (out / "llm.json").write_text(json.dumps(_no_nan(report), indent=2, allow_nan=False))
+    (out / "llm.json").write_text(json.dumps(no_nan(report), indent=2, allow_nan=False))
     plot_report(report, out / "llm.png")
     print(f"wrote {out / 'llm.json'} and {out / 'llm.png'}")
     return 1 if any("error" in r for r in results) else 0
@@ -439,21 +480,29 @@ def build_report(args, hf_dir: str, data: dict, vllm_status: str, results: list[
     traces = {n: {k: v for k, v in t.items() if k != "requests"} for n, t in data["traces"].items()}
     return {
         "model_dir": hf_dir,
-        "settings": {"slots": args.slots, "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
-                     "seed": args.seed, "quick": args.quick, "prefix_caching": False, "device": "cpu",
-                     "prompts": "random token ids from the middle of the vocabulary", "ignore_eos": True,
-                     "warmup": [[len(r["prompt"]), r["max_tokens"]] for r in data["warmup"]]},
+        "settings": {
+            "slots": args.slots,
+            "max_model_len": args.max_model_len,
+            "kv_cache_gib": args.kv_cache_gib,
+            "seed": args.seed,
+            "quick": args.quick,
+            "prefix_caching": False,
+            "device": "cpu",
+            "prompts": "random token ids from the middle of the vocabulary",
+            "ignore_eos": True,
+            "warmup": [[len(r["prompt"]), r["max_tokens"]] for r in data["warmup"]],
+        },
         "traces": traces,
         "vllm": {"status": vllm_status, "python": args.vllm_python if vllm_status == "run" else None},
-        "contestants": [
-            {k: v for k, v in r.items() if k not in ("runs", "floor")}
-            for r in results
-        ],
+        "contestants": [{k: v for k, v in r.items() if k not in ("runs", "floor")} for r in results],
         "rows": rows,
         "ratios": compute_ratios(rows),
-        "floor": {r["dtype"]: r.get("floor", {"error": r.get("error", "not measured")})
-                  for r in results if r["contestant"] == CONTINUOUS and not args.no_floor},
-    }  # fmt: skip
+        "floor": {
+            r["dtype"]: r.get("floor", {"error": r.get("error", "not measured")})
+            for r in results
+            if r["contestant"] == CONTINUOUS and not args.no_floor
+        },
+    }
 
 
 # ---------------------------------------------------------------- printing and plotting
@@ -467,8 +516,10 @@ def print_report(report: dict) -> None:
     rows = report["rows"]
     for trace, meta in report["traces"].items():
         print(f"\n{trace}: {meta['num_requests']} requests, {meta['asked_tokens']} tokens asked, {meta['arrivals']}")
-        print(f"  {'dtype':<9}{'contestant':<19}{'useful tok/s':>13}{'seconds':>9}{'steps':>7}{'ms/step':>9}"
-              f"{'running':>9}{'KV mean':>9}{'KV peak':>9}{'TTFT p50':>10}{'TTFT p99':>10}")  # fmt: skip
+        print(
+            f"  {'dtype':<9}{'contestant':<19}{'useful tok/s':>13}{'seconds':>9}{'steps':>7}{'ms/step':>9}"
+            f"{'running':>9}{'KV mean':>9}{'KV peak':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
+        )
         for r in rows:
             if r["trace"] != trace:
                 continue
@@ -478,20 +529,26 @@ def print_report(report: dict) -> None:
                 print(f"{head}{'skipped' if 'skipped' in r else 'error'}: {why}")
                 continue
             pct = lambda x: _f(None if x is None else 100 * x, ".2f", "%")  # noqa: E731
-            print(f"{head}{r['tokens_per_s']:>13.1f}{r['seconds']:>9.1f}{_f(r['steps'], 'd'):>7}"
-                  f"{_f(r['ms_per_step'], '.1f'):>9}{_f(r['mean_running'], '.1f'):>9}{pct(r['kv_mean']):>9}"
-                  f"{pct(r['kv_peak']):>9}{_f(r['ttft_p50_ms'], '.0f', ' ms'):>10}"
-                  f"{_f(r['ttft_p99_ms'], '.0f', ' ms'):>10}")  # fmt: skip
+            print(
+                f"{head}{r['tokens_per_s']:>13.1f}{r['seconds']:>9.1f}{_f(r['steps'], 'd'):>7}"
+                f"{_f(r['ms_per_step'], '.1f'):>9}{_f(r['mean_running'], '.1f'):>9}{pct(r['kv_mean']):>9}"
+                f"{pct(r['kv_peak']):>9}{_f(r['ttft_p50_ms'], '.0f', ' ms'):>10}"
+                f"{_f(r['ttft_p99_ms'], '.0f', ' ms'):>10}"
+            )
             if r["useful_tokens"] != r["asked_tokens"]:
                 print(f"      only {r['useful_tokens']} of the {r['asked_tokens']} tokens asked came back")
-    print("\n  ms/step: seconds / steps; running: requests running when a step ends, mean over steps; KV: fraction "
-          "of the KV cache in use when a step ends; TTFT from each request's arrival")
+    print(
+        "\n  ms/step: seconds / steps; running: requests running when a step ends, mean over steps; KV: fraction "
+        "of the KV cache in use when a step ends; TTFT from each request's arrival"
+    )
     for c in report["contestants"]:
         cfg = c.get("config") or {}
         if cfg.get("max_num_batched_tokens"):
-            print(f"  {c['dtype']:<9}{c['contestant']:<19}budget {cfg['max_num_batched_tokens']} tokens a step, "
-                  f"{cfg.get('num_kv_blocks')} KV blocks of {cfg.get('block_size')} tokens; "
-                  f"load {_f(c.get('load_s'), '.0f', ' s')}, warm-up {_f(c.get('warmup_s'), '.1f', ' s')}")
+            print(
+                f"  {c['dtype']:<9}{c['contestant']:<19}budget {cfg['max_num_batched_tokens']} tokens a step, "
+                f"{cfg.get('num_kv_blocks')} KV blocks of {cfg.get('block_size')} tokens; "
+                f"load {_f(c.get('load_s'), '.0f', ' s')}, warm-up {_f(c.get('warmup_s'), '.1f', ' s')}"
+            )
     failed = [c for c in report["contestants"] if "error" in c]
     if failed:
         print("\nfailures:")
@@ -513,9 +570,11 @@ def print_report(report: dict) -> None:
             if "error" in fl:
                 print(f"  {dtype}: floor: not measured ({fl['error'].splitlines()[0] if fl['error'] else ''})")
             else:
-                print(f"  {dtype}: {fl.get('num_seqs')} seqs, context {fl.get('context_len')}: step "
-                      f"{_f(fl.get('step_ms'), '.2f', ' ms')}, linear floor "
-                      f"{_f(fl.get('linear_floor_ms'), '.2f', ' ms')}, ratio {_f(fl.get('ratio'), '.2f')}")  # fmt: skip
+                print(
+                    f"  {dtype}: {fl.get('num_seqs')} seqs, context {fl.get('context_len')}: step "
+                    f"{_f(fl.get('step_ms'), '.2f', ' ms')}, linear floor "
+                    f"{_f(fl.get('linear_floor_ms'), '.2f', ' ms')}, ratio {_f(fl.get('ratio'), '.2f')}"
+                )
 
 
 def plot_report(report: dict, path: Path) -> None:
@@ -537,8 +596,13 @@ def plot_report(report: dict, path: Path) -> None:
             ax.bar(xs, [by[n]["tokens_per_s"] if n in by else 0.0 for n in names], width, label=dtype)
             for x, n in zip(xs, names):
                 if n in by and by[n]["ttft_p50_ms"] is not None and report["traces"][trace].get("rate") is not None:
-                    ax.annotate(f"{by[n]['ttft_p50_ms']:.0f} ms", (x, by[n]["tokens_per_s"]), ha="center",
-                                va="bottom", fontsize=7)  # fmt: skip
+                    ax.annotate(
+                        f"{by[n]['ttft_p50_ms']:.0f} ms",
+                        (x, by[n]["tokens_per_s"]),
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                    )
         ax.set_xticks([i + width * (len(dtypes) - 1) / 2 for i in range(len(names))], names, rotation=20, fontsize=8)
         meta = report["traces"][trace]
         ax.set_title(f"{trace}: {meta['num_requests']} requests, {meta['arrivals']}", fontsize=8)

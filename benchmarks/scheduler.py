@@ -33,7 +33,9 @@ def bench_steps(num_running: int, num_steps: int, prefix_caching: bool = True, s
     block_size = 16
     blocks_per_req = -(-(128 + 512) // block_size)
     pool = BlockPool(num_running * blocks_per_req + 64, block_size, enable_prefix_caching=prefix_caching)
-    config = SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=max(2048, 2 * num_running), max_model_len=1024)
+    config = SchedulerConfig(
+        max_num_seqs=num_running, max_num_batched_tokens=max(2048, 2 * num_running), max_model_len=1024
+    )
     sched = ContinuousBatchScheduler(config, pool)
     next_id = 0
     for _ in range(num_running * 2):
@@ -107,7 +109,12 @@ def _plot(results: list[dict], path: Path, targets: dict[int, float]) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for caching in (True, False):
         rs = [r for r in results if r["prefix_caching"] == caching]
-        ax.plot([r["num_running"] for r in rs], [r["median_ms"] for r in rs], "o-", label=f"prefix cache {'on' if caching else 'off'} (median)")
+        ax.plot(
+            [r["num_running"] for r in rs],
+            [r["median_ms"] for r in rs],
+            "o-",
+            label=f"prefix cache {'on' if caching else 'off'} (median)",
+        )
     ax.plot(list(targets), list(targets.values()), "k--", label="target")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("running requests")

@@ -2,7 +2,7 @@
 imports nothing from Tandem. It reads the traces file the parent wrote, runs the warm-up and
 then each trace through `LLM(...).llm_engine`, step by step, and writes its result JSON.
 
-    <vllm python> -P runtime/llm/bench_vllm.py --traces-file T.json --result R.json \
+    <vllm python> -P benchmarks/llm_vllm.py --traces-file T.json --result R.json \
         --model-dir HF_DIR --dtype bfloat16 --slots 16 --max-model-len 2048
 
 Requests join the engine when their arrival time has passed (all at once for traces that
@@ -13,7 +13,7 @@ fraction, both as they stand when the step ends. Time to first token: from the r
 arrival to the `step()` that first hands back one of its tokens.
 
 The version patch below stays at module top level: vLLM's engine process may import this file
-again (as __mp_main__), and it must find the same patch there (see workers/bench_serve.py).
+again (as __mp_main__), and it must find the same patch there (see benchmarks/serve.py).
 Imported under any other name (by Tandem's tests, say), it patches nothing.
 """
 
@@ -82,8 +82,13 @@ def run_trace(llm, requests, desc):
             while k < n and t0 + requests[order[k]]["arrival_s"] <= now:
                 i = order[k]
                 r = requests[i]
-                params = SamplingParams(max_tokens=r["max_tokens"], min_tokens=r["max_tokens"], ignore_eos=True,
-                                        temperature=0.0, output_kind=RequestOutputKind.DELTA)  # fmt: skip
+                params = SamplingParams(
+                    max_tokens=r["max_tokens"],
+                    min_tokens=r["max_tokens"],
+                    ignore_eos=True,
+                    temperature=0.0,
+                    output_kind=RequestOutputKind.DELTA,
+                )
                 engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=r["prompt"]), params)
                 k += 1
             if not engine.has_unfinished_requests():
@@ -108,16 +113,19 @@ def run_trace(llm, requests, desc):
     return {
         "seconds": max(finished.values()) - t0,
         "requests": [
-            {"asked": r["max_tokens"], "produced": produced[i],
-             "ttft_s": first[i] - (t0 + r["arrival_s"]) if i in first else None,
-             "e2e_s": finished[i] - (t0 + r["arrival_s"])}
+            {
+                "asked": r["max_tokens"],
+                "produced": produced[i],
+                "ttft_s": first[i] - (t0 + r["arrival_s"]) if i in first else None,
+                "e2e_s": finished[i] - (t0 + r["arrival_s"]),
+            }
             for i, r in enumerate(requests)
         ],
         "steps": len(stats),
         "step_running": [s.num_running_reqs for s in stats],
         "step_kv": [s.kv_cache_usage for s in stats],
         "stats_when": "after each step (vLLM's SchedulerStats)",
-    }  # fmt: skip
+    }
 
 
 def main(argv=None):
@@ -142,8 +150,15 @@ def main(argv=None):
 
     result = {"contestant": "vllm", "dtype": args.dtype, "version": vllm.__version__, "runs": {}}
     t = time.perf_counter()
-    llm = LLM(model=args.model_dir, dtype=args.dtype, max_num_seqs=args.slots, max_model_len=args.max_model_len,
-              enable_prefix_caching=False, disable_log_stats=False, seed=0)  # fmt: skip
+    llm = LLM(
+        model=args.model_dir,
+        dtype=args.dtype,
+        max_num_seqs=args.slots,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False,
+        disable_log_stats=False,
+        seed=0,
+    )
     result["load_s"] = time.perf_counter() - t
     config = llm.llm_engine.vllm_config
     result["config"] = {

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.common import RedisServer, chat_workload
 
 
 def add_jobs_bench_arguments(p) -> None:
@@ -42,51 +42,14 @@ def add_jobs_bench_arguments(p) -> None:
     p.add_argument("--latency-jobs", type=int, default=30, help="short jobs sent one at a time for added latency")
     p.add_argument("--repeats", type=int, default=2, help="runs of the trace on each path (the best counts)")
     p.add_argument("--redis-url", default=None, help="use this Redis (default: start a private redis-server)")
-    p.add_argument("--fsync", choices=["always", "everysec"], default="always",
-                   help="appendfsync of the private redis-server (always: what submit's durability needs)")
+    p.add_argument(
+        "--fsync",
+        choices=["always", "everysec"],
+        default="always",
+        help="appendfsync of the private redis-server (always: what submit's durability needs)",
+    )
     p.add_argument("--out", default="bench_out")
     p.add_argument("--seed", type=int, default=0)
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
-class _Redis:
-    """A private redis-server on a free loopback port, append-only as in production."""
-
-    def __init__(self, fsync: str) -> None:
-        if shutil.which("redis-server") is None:
-            raise RuntimeError("redis-server not found: install it or pass --redis-url")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.dir = tempfile.mkdtemp(prefix="tandem-bench-redis-")
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
-             "--appendonly", "yes", "--appendfsync", fsync],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        import redis
-
-        client = redis.Redis(port=port, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.RedisError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the private redis-server did not start") from None
-                time.sleep(0.05)
-        client.close()
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class _InProcess:
@@ -111,8 +74,10 @@ class _InProcess:
 
         steps0 = self.rt.stats()["llm"]["steps"]
         t0 = time.perf_counter()
-        handles = [self.rt.submit_generate(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-                   for p, n in zip(prompts, lengths)]  # fmt: skip
+        handles = [
+            self.rt.submit_generate(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            for p, n in zip(prompts, lengths)
+        ]
         token_ids = [h.result().token_ids for h in handles]
         wall = time.perf_counter() - t0
         return {"seconds": wall, "steps": self.rt.stats()["llm"]["steps"] - steps0, "token_ids": token_ids}
@@ -131,8 +96,23 @@ class _Jobs:
 
         settings = JobSettings(redis_url=url)
         self.node = f"bench-{os.getpid()}@{socket.gethostname()}"
-        cmd = [sys.executable, "-m", "workers.worker", "--queues", "llm", "--max-num-seqs", str(args.slots),
-               "--dtype", args.dtype, "--hostname", self.node, "--loglevel", "WARNING", "--redis-url", url]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "workers.worker",
+            "--queues",
+            "llm",
+            "--max-num-seqs",
+            str(args.slots),
+            "--dtype",
+            args.dtype,
+            "--hostname",
+            self.node,
+            "--loglevel",
+            "WARNING",
+            "--redis-url",
+            url,
+        ]
         if args.model:
             cmd += ["--model", args.model]
         self.log = open(Path(args.out) / "jobs-worker.log", "w")
@@ -177,22 +157,23 @@ class _Jobs:
 
 
 def run_jobs_bench(args) -> int:
-    from runtime.llm.bench import _workload
     from runtime.llm.loader import load_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = load_model(args.model).tokenizer
-    prompts, lengths = _workload(tok, args.num_requests, args.min_tokens, args.max_tokens, args.seed, args.dist)
+    prompts, lengths = chat_workload(tok, args.num_requests, args.min_tokens, args.max_tokens, args.seed, args.dist)
     short = [tok.encode(f"Say hello number {i}.", add_special_tokens=False) for i in range(args.latency_jobs)]
-    print(f"{len(prompts)} requests, {args.dist} output lengths {min(lengths)}..{max(lengths)} "
-          f"(sum {sum(lengths)}), {args.slots} slots, {args.dtype}, {args.repeats} runs of each path, "
-          f"interleaved; added latency on {len(short)} 8-token jobs")
+    print(
+        f"{len(prompts)} requests, {args.dist} output lengths {min(lengths)}..{max(lengths)} "
+        f"(sum {sum(lengths)}), {args.slots} slots, {args.dtype}, {args.repeats} runs of each path, "
+        f"interleaved; added latency on {len(short)} 8-token jobs"
+    )
     redis = paths = None
     try:
         url = args.redis_url
         if url is None:
-            redis = _Redis(args.fsync)
+            redis = RedisServer(args.fsync)
             url = redis.url
         paths = [_InProcess(args), _Jobs(args, url)]
         for path in paths:  # warm-up
@@ -227,43 +208,61 @@ def _report(args, prompts, lengths, paths, runs, latency) -> dict:
         best = min(runs[p.name], key=lambda r: r["seconds"])
         lat = [x[0] for x in latency[p.name]]
         over = [x[1] for x in latency[p.name]]
-        rows.append({
-            "name": p.name, "useful_tokens": useful, "seconds": best["seconds"],
-            "tokens_per_s": useful / best["seconds"], "steps": best["steps"],
-            "runs_tokens_per_s": [useful / r["seconds"] for r in runs[p.name]],
-            "submit_seconds": best.get("submit_seconds"), "short_latency_s": lat, "short_overhead_s": over,
-        })  # fmt: skip
+        rows.append(
+            {
+                "name": p.name,
+                "useful_tokens": useful,
+                "seconds": best["seconds"],
+                "tokens_per_s": useful / best["seconds"],
+                "steps": best["steps"],
+                "runs_tokens_per_s": [useful / r["seconds"] for r in runs[p.name]],
+                "submit_seconds": best.get("submit_seconds"),
+                "short_latency_s": lat,
+                "short_overhead_s": over,
+            }
+        )
     local, remote = rows
     first = [runs[p.name][0]["token_ids"] for p in paths]
     return {
-        "num_requests": len(prompts), "useful_tokens": useful, "slots": args.slots, "dtype": args.dtype,
-        "dist": args.dist, "repeats": args.repeats, "redis_fsync": args.fsync if args.redis_url is None else "external",
+        "num_requests": len(prompts),
+        "useful_tokens": useful,
+        "slots": args.slots,
+        "dtype": args.dtype,
+        "dist": args.dist,
+        "repeats": args.repeats,
+        "redis_fsync": args.fsync if args.redis_url is None else "external",
         "throughput_ratio": remote["tokens_per_s"] / local["tokens_per_s"],
         # What a job spends outside the Runtime (submit, broker, claim, result), less what an
         # in-process caller spends outside it (handle hand-offs): each job's own Runtime time is
         # subtracted, so the model's speed and a neighbour's load stay out of it.
-        "added_latency_p50_ms": 1000 * (statistics.median(remote["short_overhead_s"])
-                                        - statistics.median(local["short_overhead_s"])),
+        "added_latency_p50_ms": 1000
+        * (statistics.median(remote["short_overhead_s"]) - statistics.median(local["short_overhead_s"])),
         "same_tokens": first[0] == first[1],
         "runs": rows,
-    }  # fmt: skip
+    }
 
 
 def _print(report: dict) -> None:
     local, remote = report["runs"]
-    print(f"\n{'path':<24}{'useful tok/s':>14}{'seconds':>10}{'steps':>8}{'8-token job p50':>18}"
-          f"{'outside Runtime p50':>22}")
+    print(
+        f"\n{'path':<24}{'useful tok/s':>14}{'seconds':>10}{'steps':>8}{'8-token job p50':>18}"
+        f"{'outside Runtime p50':>22}"
+    )
     for r in (local, remote):
         lat = 1000 * statistics.median(r["short_latency_s"])
         over = 1000 * statistics.median(r["short_overhead_s"])
-        print(f"{r['name']:<24}{r['tokens_per_s']:>14.1f}{r['seconds']:>10.1f}{r['steps']:>8}{lat:>15.1f} ms"
-              f"{over:>19.2f} ms   runs: {', '.join(f'{x:.1f}' for x in r['runs_tokens_per_s'])} tok/s")
+        print(
+            f"{r['name']:<24}{r['tokens_per_s']:>14.1f}{r['seconds']:>10.1f}{r['steps']:>8}{lat:>15.1f} ms"
+            f"{over:>19.2f} ms   runs: {', '.join(f'{x:.1f}' for x in r['runs_tokens_per_s'])} tok/s"
+        )
     ok_tp = "meets" if report["throughput_ratio"] >= 0.9 else "misses"
     ok_lat = "meets" if report["added_latency_p50_ms"] <= 5 else "misses"
-    print(f"throughput ratio {report['throughput_ratio']:.3f} (target >= 0.9: {ok_tp}); added latency p50 "
-          f"{report['added_latency_p50_ms']:.2f} ms (target <= 5 ms: {ok_lat}); "
-          f"same tokens: {report['same_tokens']}; submit of {report['num_requests']} jobs took "
-          f"{remote['submit_seconds'] * 1000:.0f} ms; Redis appendfsync {report['redis_fsync']}")  # fmt: skip
+    print(
+        f"throughput ratio {report['throughput_ratio']:.3f} (target >= 0.9: {ok_tp}); added latency p50 "
+        f"{report['added_latency_p50_ms']:.2f} ms (target <= 5 ms: {ok_lat}); "
+        f"same tokens: {report['same_tokens']}; submit of {report['num_requests']} jobs took "
+        f"{remote['submit_seconds'] * 1000:.0f} ms; Redis appendfsync {report['redis_fsync']}"
+    )
 
 
 def _plot(report: dict, path: Path) -> None:
@@ -278,8 +277,9 @@ def _plot(report: dict, path: Path) -> None:
     ax1.bar(names, [local["tokens_per_s"], remote["tokens_per_s"]], color=["tab:blue", "tab:orange"])
     ax1.set_ylabel("useful tokens/s")
     ax1.set_title(f"{report['num_requests']} requests, {report['slots']} slots")
-    ax2.boxplot([[1000 * x for x in local["short_latency_s"]], [1000 * x for x in remote["short_latency_s"]]],
-                tick_labels=names)  # fmt: skip
+    ax2.boxplot(
+        [[1000 * x for x in local["short_latency_s"]], [1000 * x for x in remote["short_latency_s"]]], tick_labels=names
+    )
     ax2.set_ylabel("8-token job latency (ms)")
     ax2.set_title(f"added p50 {report['added_latency_p50_ms']:.1f} ms")
     fig.tight_layout()

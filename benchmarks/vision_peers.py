@@ -1,7 +1,7 @@
 """The peers of `tandem bench vision`, measured in a Python of their own: Ultralytics eager
 (PyTorch), and Ultralytics' ONNX Runtime and OpenVINO exports of the same weights.
 
-Run as a script by runtime/vision/bench.py, one process per format, under the Python that has
+Run as a script by benchmarks/vision.py, one process per format, under the Python that has
 the format's packages (Tandem's own for `torch`; a peer virtualenv such as ../peers/yolo for
 `onnx` and `openvino`). It cannot import Tandem, so it is self-contained: it needs ultralytics
 and torch, plus onnxruntime or openvino for those formats.
@@ -131,8 +131,15 @@ def measure(args, paths: list[str], workdir: Path) -> tuple[list[dict], dict[int
         for t in threads:
             model = load_model(models[batch])
             ul_torch.NUM_THREADS = t  # what select_device() sets torch to on CPU, as the predictor starts
-            kw = dict(imgsz=args.imgsz, device=args.device, batch=batch, conf=PREDICT_CONF, nms=False,
-                      verbose=False, stream=True)
+            kw = dict(
+                imgsz=args.imgsz,
+                device=args.device,
+                batch=batch,
+                conf=PREDICT_CONF,
+                nms=False,
+                verbose=False,
+                stream=True,
+            )
             info = {}
             if args.format == "onnx":
                 for _ in model.predict(paths[:1], **kw):  # builds the predictor and its session
@@ -142,12 +149,19 @@ def measure(args, paths: list[str], workdir: Path) -> tuple[list[dict], dict[int
                 if args.device != "cpu" and "CUDAExecutionProvider" not in info["providers"] and note not in notes:
                     notes.append(note)
             runs = timed_passes(model, paths, args.repeats, **kw)
-            rows.append({
-                "name": f"{NAMES[args.format]} b{batch}" + (f" t{t}" if args.format == "torch" else ""),
-                "format": args.format, "batch": batch, "threads": t if args.format == "torch" else None,
-                "images_per_s": statistics.median(runs), "runs": runs, "export_s": export_s,
-                "torch_threads": torch.get_num_threads(), **info,
-            })
+            rows.append(
+                {
+                    "name": f"{NAMES[args.format]} b{batch}" + (f" t{t}" if args.format == "torch" else ""),
+                    "format": args.format,
+                    "batch": batch,
+                    "threads": t if args.format == "torch" else None,
+                    "images_per_s": statistics.median(runs),
+                    "runs": runs,
+                    "export_s": export_s,
+                    "torch_threads": torch.get_num_threads(),
+                    **info,
+                }
+            )
             print(f"{rows[-1]['name']}: {rows[-1]['images_per_s']:.2f} images/s", file=sys.stderr, flush=True)
     ul_torch.NUM_THREADS = shipped
     return rows, models, notes
@@ -177,9 +191,19 @@ def ultralytics_val(args, workdir: Path) -> dict:
     val` runs by default (one-to-many head + multi-label NMS, rect batches)."""
     out = {}
     for head, kw in (("end2end, square", {"nms": False, "rect": False}), ("yolo val default", {})):
-        m = load_model(args.model).val(data=args.val_data, imgsz=args.imgsz, batch=1, conf=EVAL_CONF,
-                                       device=args.device, plots=False, verbose=False, project=str(workdir),
-                                       name="val", exist_ok=True, **kw)
+        m = load_model(args.model).val(
+            data=args.val_data,
+            imgsz=args.imgsz,
+            batch=1,
+            conf=EVAL_CONF,
+            device=args.device,
+            plots=False,
+            verbose=False,
+            project=str(workdir),
+            name="val",
+            exist_ok=True,
+            **kw,
+        )
         out[head] = {"map50_95": float(m.box.map), "map50": float(m.box.map50)}
     return out
 
@@ -208,8 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--images", required=True, help="a text file with the throughput images, one path a line")
     p.add_argument("--batches", default="1", help="comma-separated batch sizes (one static export each)")
-    p.add_argument("--threads", default="",
-                   help="torch on CPU: comma-separated thread counts (default: Ultralytics' own, and every core)")
+    p.add_argument(
+        "--threads",
+        default="",
+        help="torch on CPU: comma-separated thread counts (default: Ultralytics' own, and every core)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workdir", required=True)
     p.add_argument("--result", required=True)
@@ -239,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             result["predictions_batch"] = min(models)
         if args.val_data and args.format == "torch":
             result["ultralytics_val"] = ultralytics_val(args, workdir)
-    except Exception as exc:  # reported in the result: the bench prints it and goes on
+    except Exception as exc:  # noqa: BLE001 - reported in the result: the bench prints it and goes on
         result["error"] = f"{type(exc).__name__}: {exc}"
     Path(args.result).write_text(json.dumps(result, indent=2))
     return 1 if "error" in result else 0

@@ -1,7 +1,7 @@
 """`tandem serve`: the HTTP front.
 
-    tandem serve --port 8000                      # over the workers: TANDEM_REDIS_URL, `tandem worker`
-    tandem serve --port 8000 --embedded           # a Runtime in this process; no Redis, no workers
+tandem serve --port 8000                      # over the workers: TANDEM_REDIS_URL, `tandem worker`
+tandem serve --port 8000 --embedded           # a Runtime in this process; no Redis, no workers
 """
 
 from __future__ import annotations
@@ -18,10 +18,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--redis-url", default=None, help="the workers' Redis (default: $TANDEM_REDIS_URL or local)")
     p.add_argument("--embedded", action="store_true", help="host a Runtime in this process instead of using workers")
-    p.add_argument("--max-queued", type=int, default=256,
-                   help="requests waiting for a worker (or, embedded, for a slot) beyond which new ones get 503")
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds before an unanswered request gets 504 and its job is cancelled")
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=256,
+        help="requests waiting for a worker (or, embedded, for a slot) beyond which new ones get 503",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds before an unanswered request gets 504 and its job is cancelled",
+    )
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get 413")
     p.add_argument("--allowed-url-prefixes", default=None, help="comma-separated URL prefixes /v1/detect may fetch")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
@@ -41,7 +49,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def build_backend(args: argparse.Namespace):
     """The backend the flags ask for (loads the Runtime when --embedded)."""
-    from runtime.server.backends import EmbeddedBackend, JobsBackend
+    from server.backends import EmbeddedBackend, JobsBackend
     from workers.settings import JobSettings
 
     overrides = {"redis_url": args.redis_url}
@@ -73,10 +81,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from runtime.server.app import ServeConfig, create_app
+    from server.app import ServeConfig, create_app
 
-    config = ServeConfig(request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-                         served_model_name=args.served_model_name)  # fmt: skip
+    config = ServeConfig(
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        served_model_name=args.served_model_name,
+    )
     app = create_app(backend, config)
     # Bind first, so that --port 0 can say which port it got before serving.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -88,7 +99,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     host, port = sock.getsockname()[:2]
     print(f"tandem serve: {backend.mode} mode, listening on http://{host}:{port}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                          access_log=False))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, access_log=False)
+    )
     server.run(sockets=[sock])
     return 0

@@ -1,4 +1,4 @@
-"""GPU check of the vision path: python -m runtime.vision.gpu_check [--out DIR]. A few minutes on
+"""GPU check of the vision path: python -m benchmarks.gpu_vision [--out DIR]. A few minutes on
 one NVIDIA GPU; exits 2 where CUDA (or Ultralytics) is unavailable.
 
   0. the float16 input path: dtype and layout of the tensor prepare hands over, the staging
@@ -87,8 +87,14 @@ def iou(a: np.ndarray, b: np.ndarray, pad: float = 0.0) -> np.ndarray:
     return inter / np.maximum(area_a[:, None] + area_b[None, :] - inter, 1e-9)
 
 
-def match(ref_boxes: np.ndarray, ref_cls: np.ndarray, boxes: np.ndarray, cls: np.ndarray,
-          min_iou: float = 0.5, pad: float = 0.0) -> list[tuple[int, int, float]]:  # fmt: skip
+def match(
+    ref_boxes: np.ndarray,
+    ref_cls: np.ndarray,
+    boxes: np.ndarray,
+    cls: np.ndarray,
+    min_iou: float = 0.5,
+    pad: float = 0.0,
+) -> list[tuple[int, int, float]]:
     """Greedy one-to-one matching of same-class boxes, highest IoU first: (ref i, j, IoU)."""
     if not len(ref_boxes) or not len(boxes):
         return []
@@ -122,10 +128,15 @@ def agreement(ref: list, got: list, keep_iou: float = KEEP_IOU) -> dict:
             kept += v >= keep_iou
     denom = max(n_ref, n_got)
     return {
-        "ref_boxes": n_ref, "boxes": n_got, "matched": len(ious), f"kept_iou_{keep_iou}": int(kept),
-        "kept_share": kept / denom if denom else 1.0, "median_iou": float(np.median(ious)) if ious else None,
-        "min_matched_iou": min(ious) if ious else None, "max_conf_diff": max(conf_diff) if conf_diff else None,
-    }  # fmt: skip
+        "ref_boxes": n_ref,
+        "boxes": n_got,
+        "matched": len(ious),
+        f"kept_iou_{keep_iou}": int(kept),
+        "kept_share": kept / denom if denom else 1.0,
+        "median_iou": float(np.median(ious)) if ious else None,
+        "min_matched_iou": min(ious) if ious else None,
+        "max_conf_diff": max(conf_diff) if conf_diff else None,
+    }
 
 
 def box_errors(ref: list[tuple[np.ndarray, np.ndarray, np.ndarray]], got: list) -> dict:
@@ -142,12 +153,14 @@ def box_errors(ref: list[tuple[np.ndarray, np.ndarray, np.ndarray]], got: list) 
     b, c = (np.concatenate(errs), np.concatenate(confs)) if errs else (np.zeros(0), np.zeros(0))
     found = np.isfinite(b)
     return {
-        "ref_boxes": len(b), "boxes": count, "missing": int((~found).sum()),
+        "ref_boxes": len(b),
+        "boxes": count,
+        "missing": int((~found).sum()),
         "missing_share": float((~found).mean()) if len(b) else 0.0,
         "median_px": float(np.median(b[found])) if found.any() else 0.0,
         "max_px": float(b[found].max()) if found.any() else 0.0,
         "max_conf_diff": float(c[found].max()) if found.any() else 0.0,
-    }  # fmt: skip
+    }
 
 
 def _as_ref(dets: list) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -242,9 +255,12 @@ def _engine_rates(path: str, imgsz: int, dtype: str, paths: list[str], sizes, re
     for b in sizes:
         # All images are queued at once, so every batch is released full at b (the delay only
         # bounds a last partial one); profile=False: the batch size is the one under test.
-        batching = vision_batching(max_batch_size=b, preferred_batch_sizes=(b,), max_queue_delay_ms=100,
-                                   max_queue_size=max(len(paths), 256))  # fmt: skip
-        config = VisionConfig(model=path, imgsz=imgsz, device="cuda", dtype=dtype, conf=CONF, profile=False, batching=batching)
+        batching = vision_batching(
+            max_batch_size=b, preferred_batch_sizes=(b,), max_queue_delay_ms=100, max_queue_size=max(len(paths), 256)
+        )
+        config = VisionConfig(
+            model=path, imgsz=imgsz, device="cuda", dtype=dtype, conf=CONF, profile=False, batching=batching
+        )
         with VisionEngine(config) as engine:
             for f in [engine.submit(p) for p in paths[:b]]:  # warm-up
                 f.result()
@@ -268,14 +284,24 @@ def _precision(dtype: str) -> dict:
     return {"half": dtype == "float16"}
 
 
-def _ultralytics_rates(path: str, folder: str, imgsz: int, dtype: str, end2end: bool, sizes, reps: int) -> dict[int, float]:
+def _ultralytics_rates(
+    path: str, folder: str, imgsz: int, dtype: str, end2end: bool, sizes, reps: int
+) -> dict[int, float]:
     from ultralytics import YOLO
 
     model = YOLO(path)
     rates = {}
     for b in sizes:
-        kw = dict(imgsz=imgsz, device=0, batch=b, conf=CONF, verbose=False, stream=True, nms=False if end2end else None,
-                  **_precision(dtype))  # fmt: skip
+        kw = dict(
+            imgsz=imgsz,
+            device=0,
+            batch=b,
+            conf=CONF,
+            verbose=False,
+            stream=True,
+            nms=False if end2end else None,
+            **_precision(dtype),
+        )
         model.predictor = None  # a fresh predictor for each batch size, set up as a user's would be
         for _ in model.predict(folder, **kw):  # builds the predictor and warms it up
             break
@@ -295,12 +321,15 @@ def _ultralytics_dets(path: str, images: list[np.ndarray], imgsz: int, dtype: st
     """Ultralytics' detections of the decoded `images` (the same pixels Tandem gets)."""
     from ultralytics import YOLO
 
-    res = YOLO(path).predict(images, imgsz=imgsz, device=0, conf=CONF, verbose=False, nms=False if end2end else None,
-                             **_precision(dtype))  # fmt: skip
+    res = YOLO(path).predict(
+        images, imgsz=imgsz, device=0, conf=CONF, verbose=False, nms=False if end2end else None, **_precision(dtype)
+    )
     out = []
     for r in res:
         b = r.boxes.cpu()
-        out.append((b.xyxy.numpy().astype(np.float32), b.conf.numpy().astype(np.float32), b.cls.numpy().astype(np.int64)))
+        out.append(
+            (b.xyxy.numpy().astype(np.float32), b.conf.numpy().astype(np.float32), b.cls.numpy().astype(np.int64))
+        )
     return out
 
 
@@ -309,7 +338,7 @@ def _table(report: dict) -> str:
     thr = report["throughput"]
     head = f"{'batch':>5} |" + "|".join(
         f" {dt:>7}: {'ultralytics':>11} {'runner':>8} {'engine':>8} {'eng/ul':>6} " for dt in DTYPES if dt in thr
-    )  # fmt: skip
+    )
     lines = ["images/s (JPEG files in, detections out)", head, "-" * len(head)]
     for b in report["sizes"]:
         cells = []
@@ -326,8 +355,10 @@ def _table(report: dict) -> str:
         if "error" in p:
             lines.append(f"start-up profile {dt}: FAILED ({p['error'][:200]})")
         else:
-            lines.append(f"start-up profile {dt}: picks batch {p['chosen']} (engine fastest at {p.get('engine_best')}); "
-                         + ", ".join(f"b{k} {v:.0f}/s" for k, v in p["rates"].items()))  # fmt: skip
+            lines.append(
+                f"start-up profile {dt}: picks batch {p['chosen']} (engine fastest at {p.get('engine_best')}); "
+                + ", ".join(f"b{k} {v:.0f}/s" for k, v in p["rates"].items())
+            )
     return "\n".join(lines)
 
 
@@ -347,13 +378,27 @@ def _plot(report: dict, path: Path) -> str | None:
             if isinstance(rates, dict) and rates and "error" not in rates:
                 xs = sorted(int(k) for k in rates)
                 name = "Ultralytics" if system == "ultralytics" else f"Tandem {system}"
-                ax.plot(xs, [rates[str(x)] for x in xs], color=colour, linestyle="-" if dt == "float16" else "--",
-                        marker="o", label=f"{name}, {dt}")  # fmt: skip
+                ax.plot(
+                    xs,
+                    [rates[str(x)] for x in xs],
+                    color=colour,
+                    linestyle="-" if dt == "float16" else "--",
+                    marker="o",
+                    label=f"{name}, {dt}",
+                )
         chosen = report.get("profile", {}).get(dt, {}).get("chosen")
         engine = report["throughput"].get(dt, {}).get("engine", {})
         if chosen and str(chosen) in engine:
-            ax.plot([chosen], [engine[str(chosen)]], marker="*", markersize=16, color="gold", markeredgecolor="k",
-                    linestyle="none", label=f"start-up profile's pick, {dt}")  # fmt: skip
+            ax.plot(
+                [chosen],
+                [engine[str(chosen)]],
+                marker="*",
+                markersize=16,
+                color="gold",
+                markeredgecolor="k",
+                linestyle="none",
+                label=f"start-up profile's pick, {dt}",
+            )
     ax.set_xscale("log", base=2)
     ax.set_xticks(report["sizes"], [str(s) for s in report["sizes"]])
     ax.set_xlabel("batch size")
@@ -380,10 +425,14 @@ def _section(report: dict, key: str, title: str, fn) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m runtime.vision.gpu_check",
-                                 description="Check the vision path on a CUDA GPU against Ultralytics (exits 2 without one).")  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_vision",
+        description="Check the vision path on a CUDA GPU against Ultralytics (exits 2 without one).",
+    )
     ap.add_argument("--out", default="bench_out", help="directory for vision_gpu_check.json/.png (default bench_out)")
-    ap.add_argument("--model", help="a .pt checkpoint or model .yaml (default: the trained detector if present, else yolo26n.yaml)")
+    ap.add_argument(
+        "--model", help="a .pt checkpoint or model .yaml (default: the trained detector if present, else yolo26n.yaml)"
+    )
     ap.add_argument("--imgsz", type=int, help="input size (default 320 for the trained detector, else 640)")
     ap.add_argument("--images", type=int, default=128, help="JPEG files per pass (default 128)")
     ap.add_argument("--check-images", type=int, default=32, help="images for the detection checks (default 32)")
@@ -391,7 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="timed passes per measurement, best kept (default 2)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("runtime.vision.gpu_check: no CUDA device (torch.cuda.is_available() is False); nothing to check", file=sys.stderr)
+        print(
+            "benchmarks.gpu_vision: no CUDA device (torch.cuda.is_available() is False); nothing to check",
+            file=sys.stderr,
+        )
         return 2
     os.environ.setdefault("YOLO_OFFLINE", "1")  # read at import: no online checks (the GPU machine has no network)
     try:
@@ -399,12 +451,15 @@ def main(argv: list[str] | None = None) -> int:
 
         ultralytics = import_ultralytics()
     except ImportError as e:
-        print(f"runtime.vision.gpu_check: Ultralytics is not importable ({e}); it loads the models and is the peer", file=sys.stderr)
+        print(
+            f"benchmarks.gpu_vision: Ultralytics is not importable ({e}); it loads the models and is the peer",
+            file=sys.stderr,
+        )
         return 2
     sizes = sorted({int(s) for s in args.sizes.split(",")})
     from runtime.vision.batch import decode
     from runtime.vision.config import VisionConfig, vision_batching
-    from runtime.vision.engine import profiled_batching
+    from runtime.vision.profiling import profiled_batching
     from runtime.vision.runner import YoloRunner
 
     tmp_dir = tempfile.TemporaryDirectory(prefix="tandem-vision-gpu-")
@@ -415,12 +470,25 @@ def main(argv: list[str] | None = None) -> int:
         paths = _images(tmp / "images", args.images, source_size)
         check = [decode(p) for p in paths[: args.check_images]]
         path = _checkpoint(model, imgsz, tmp, check[:8])
-        report: dict = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, ultralytics=ultralytics.__version__,
-                            model=what, checkpoint=path, imgsz=imgsz, source_size=source_size, images=len(paths),
-                            check_images=len(check), sizes=sizes, conf=CONF, reps=args.reps)  # fmt: skip
+        report: dict = dict(
+            gpu=torch.cuda.get_device_name(),
+            torch=torch.__version__,
+            ultralytics=ultralytics.__version__,
+            model=what,
+            checkpoint=path,
+            imgsz=imgsz,
+            source_size=source_size,
+            images=len(paths),
+            check_images=len(check),
+            sizes=sizes,
+            conf=CONF,
+            reps=args.reps,
+        )
         print(f"GPU {report['gpu']}, torch {report['torch']}, ultralytics {report['ultralytics']}")
         print(f"model {what} ({path}), imgsz {imgsz}; {len(paths)} images of {source_size}x{source_size}")
-        runners = {dt: YoloRunner(VisionConfig(model=path, imgsz=imgsz, device="cuda", dtype=dt, conf=CONF)) for dt in DTYPES}
+        runners = {
+            dt: YoloRunner(VisionConfig(model=path, imgsz=imgsz, device="cuda", dtype=dt, conf=CONF)) for dt in DTYPES
+        }
         end2end = runners["float32"].model.end2end
         report["end2end"] = end2end
 
@@ -429,11 +497,15 @@ def main(argv: list[str] | None = None) -> int:
             staging buffer page-locked, a copy event rather than a finished copy."""
             runner = runners["float16"]
             prepared = runner.prepare(check[:2])
-            (_, tensor, boxes), = prepared.groups
+            ((_, tensor, boxes),) = prepared.groups
             staging = runner._buffers.pinned(boxes[0].input_shape, 2)
             runner.infer(prepared)
-            res = {"input_dtype": str(tensor.dtype), "channels_last": tensor.is_contiguous(memory_format=torch.channels_last),
-                   "staging_pinned": staging is not None and staging.is_pinned(), "copy_event": prepared.ready is not None}  # fmt: skip
+            res = {
+                "input_dtype": str(tensor.dtype),
+                "channels_last": tensor.is_contiguous(memory_format=torch.channels_last),
+                "staging_pinned": staging is not None and staging.is_pinned(),
+                "copy_event": prepared.ready is not None,
+            }
             print("  " + ", ".join(f"{k} {v}" for k, v in res.items()))
             return res
 
@@ -445,14 +517,20 @@ def main(argv: list[str] | None = None) -> int:
         def fp16_vs_fp32() -> dict:
             res = agreement(chunked(runners["float32"], check), chunked(runners["float16"], check))
             if model.endswith((".yaml", ".yml")):  # random weights (see RANDOM_MEDIAN_IOU)
-                res["criterion"] = f"random weights: matched boxes' median IoU >= {RANDOM_MEDIAN_IOU}, confidences within {RANDOM_MAX_CONF}"
-                res["ok"] = (res["median_iou"] or 0) >= RANDOM_MEDIAN_IOU and (res["max_conf_diff"] or 0) <= RANDOM_MAX_CONF
+                res["criterion"] = (
+                    f"random weights: matched boxes' median IoU >= {RANDOM_MEDIAN_IOU}, confidences within {RANDOM_MAX_CONF}"
+                )
+                res["ok"] = (res["median_iou"] or 0) >= RANDOM_MEDIAN_IOU and (
+                    res["max_conf_diff"] or 0
+                ) <= RANDOM_MAX_CONF
             else:
                 res["criterion"] = f"share of boxes kept at IoU >= {KEEP_IOU} >= {MIN_KEPT}"
                 res["ok"] = res["kept_share"] >= MIN_KEPT
-            print(f"  float32 {res['ref_boxes']} boxes, float16 {res['boxes']}; matched {res['matched']}, "
-                  f"kept at IoU >= {KEEP_IOU}: {res['kept_share']:.1%}, median IoU {res['median_iou']}, "
-                  f"max conf diff {res['max_conf_diff']}  {'ok' if res['ok'] else 'FAIL'} ({res['criterion']})")  # fmt: skip
+            print(
+                f"  float32 {res['ref_boxes']} boxes, float16 {res['boxes']}; matched {res['matched']}, "
+                f"kept at IoU >= {KEEP_IOU}: {res['kept_share']:.1%}, median IoU {res['median_iou']}, "
+                f"max conf diff {res['max_conf_diff']}  {'ok' if res['ok'] else 'FAIL'} ({res['criterion']})"
+            )
             return res
 
         def parity() -> dict:
@@ -461,9 +539,11 @@ def main(argv: list[str] | None = None) -> int:
                 res = box_errors(_ultralytics_dets(path, check, imgsz, dt, end2end), chunked(runners[dt], check))
                 res["ok"] = res["median_px"] <= PARITY_MEDIAN_PX[dt] and res["missing_share"] <= PARITY_MAX_MISSING
                 out[dt] = res
-                print(f"  {dt}: Ultralytics {res['ref_boxes']} boxes, Tandem {res['boxes']}; median {res['median_px']:.2e} px, "
-                      f"max {res['max_px']:.2e} px, max conf diff {res['max_conf_diff']:.1e}, no match {res['missing']}  "
-                      f"{'ok' if res['ok'] else 'FAIL'}")  # fmt: skip
+                print(
+                    f"  {dt}: Ultralytics {res['ref_boxes']} boxes, Tandem {res['boxes']}; median {res['median_px']:.2e} px, "
+                    f"max {res['max_px']:.2e} px, max conf diff {res['max_conf_diff']:.1e}, no match {res['missing']}  "
+                    f"{'ok' if res['ok'] else 'FAIL'}"
+                )
             return out
 
         _section(report, "fp16_vs_fp32", f"1. float16 against float32, {len(check)} images:", fp16_vs_fp32)
@@ -481,35 +561,59 @@ def main(argv: list[str] | None = None) -> int:
                 rates, dets, counts = _engine_rates(path, imgsz, dt, paths, sizes, args.reps)
                 t["engine"] = {str(b): r for b, r in rates.items()}
                 t["engine_batch_size_counts"] = {str(b): c for b, c in counts.items()}
-                engine_dets[dt] = max((box_errors(_as_ref(runner_dets[b]), dets[b]) | {"batch": b} for b in sizes),
-                                      key=lambda e: (e["missing"], e["max_px"]))  # fmt: skip
-                engine_dets[dt]["ok"] = engine_dets[dt]["missing"] == 0 and engine_dets[dt]["max_px"] <= ENGINE_MAX_PX[dt]
+                engine_dets[dt] = max(
+                    (box_errors(_as_ref(runner_dets[b]), dets[b]) | {"batch": b} for b in sizes),
+                    key=lambda e: (e["missing"], e["max_px"]),
+                )
+                engine_dets[dt]["ok"] = (
+                    engine_dets[dt]["missing"] == 0 and engine_dets[dt]["max_px"] <= ENGINE_MAX_PX[dt]
+                )
                 e = engine_dets[dt]
-                print(f"  {dt}: engine against runner, worst batch size {e['batch']}: max {e['max_px']:.2e} px, "
-                      f"no match {e['missing']}  {'ok' if e['ok'] else 'FAIL'}")  # fmt: skip
+                print(
+                    f"  {dt}: engine against runner, worst batch size {e['batch']}: max {e['max_px']:.2e} px, "
+                    f"no match {e['missing']}  {'ok' if e['ok'] else 'FAIL'}"
+                )
                 print(f"  {dt}: ultralytics", flush=True)
                 try:
-                    t["ultralytics"] = {str(b): r for b, r in
-                                        _ultralytics_rates(path, str(tmp / "images"), imgsz, dt, end2end, sizes, args.reps).items()}  # fmt: skip
+                    t["ultralytics"] = {
+                        str(b): r
+                        for b, r in _ultralytics_rates(
+                            path, str(tmp / "images"), imgsz, dt, end2end, sizes, args.reps
+                        ).items()
+                    }
                 except Exception as e:  # noqa: BLE001 - Tandem's own numbers still count
                     traceback.print_exc()
                     t["ultralytics"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             report["engine_vs_runner"] = engine_dets
             return out
 
-        _section(report, "throughput", f"3. images/s by batch size {sizes}, {len(paths)} JPEG files, best of {args.reps}:",
-                 throughput)  # fmt: skip
+        _section(
+            report,
+            "throughput",
+            f"3. images/s by batch size {sizes}, {len(paths)} JPEG files, best of {args.reps}:",
+            throughput,
+        )
 
         def profile() -> dict:
             out = {}
             for dt in DTYPES:
-                config = VisionConfig(model=path, imgsz=imgsz, device="cuda", dtype=dt, conf=CONF,
-                                      batching=vision_batching(max_batch_size=max(sizes)))  # fmt: skip
+                config = VisionConfig(
+                    model=path,
+                    imgsz=imgsz,
+                    device="cuda",
+                    dtype=dt,
+                    conf=CONF,
+                    batching=vision_batching(max_batch_size=max(sizes)),
+                )
                 batching, rates = profiled_batching(runners[dt], config, None, cache=False)
                 engine = report.get("throughput", {}).get(dt, {}).get("engine", {})
                 best = max(engine, key=engine.get) if engine and "error" not in engine else None
-                out[dt] = {"rates": {str(k): v for k, v in rates.items()}, "chosen": batching.preferred_batch_sizes[0],
-                           "engine_best": int(best) if best else None, "profile_iters": config.profile_iters}  # fmt: skip
+                out[dt] = {
+                    "rates": {str(k): v for k, v in rates.items()},
+                    "chosen": batching.preferred_batch_sizes[0],
+                    "engine_best": int(best) if best else None,
+                    "profile_iters": config.profile_iters,
+                }
             return out
 
         _section(report, "profile", "4. the start-up profile (forward only, square input):", profile)
@@ -521,13 +625,20 @@ def main(argv: list[str] | None = None) -> int:
             from runtime.vision.synthetic import write_test_set
 
             write_test_set(tmp / "test", imgsz=imgsz)
-            out = {dt: evaluate_engine(VisionConfig(model=path, imgsz=imgsz, device="cuda", dtype=dt, conf=0.001), tmp / "test")
-                   for dt in DTYPES}  # fmt: skip
+            out = {
+                dt: evaluate_engine(
+                    VisionConfig(model=path, imgsz=imgsz, device="cuda", dtype=dt, conf=0.001), tmp / "test"
+                )
+                for dt in DTYPES
+            }
             out = {dt: {k: out[dt][k] for k in ("map50_95", "map50", "images")} for dt in DTYPES}
             drop = out["float32"]["map50_95"] - out["float16"]["map50_95"]
             out["ok"] = drop <= MAX_MAP_DROP
-            print("  " + ", ".join(f"{dt} mAP50-95 {out[dt]['map50_95']:.4f} (mAP50 {out[dt]['map50']:.4f})" for dt in DTYPES)
-                  + f"; float16 loses {drop * 100:.2f} points  {'ok' if out['ok'] else 'FAIL'} (at most {MAX_MAP_DROP * 100:g})")
+            print(
+                "  "
+                + ", ".join(f"{dt} mAP50-95 {out[dt]['map50_95']:.4f} (mAP50 {out[dt]['map50']:.4f})" for dt in DTYPES)
+                + f"; float16 loses {drop * 100:.2f} points  {'ok' if out['ok'] else 'FAIL'} (at most {MAX_MAP_DROP * 100:g})"
+            )
             return out
 
         if what == TRAINED:
@@ -535,8 +646,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         tmp_dir.cleanup()
 
-    checks = [report.get("accuracy", {"ok": what != TRAINED}), report.get("fp16_vs_fp32", {}), *report.get("parity", {}).values(), *report.get("engine_vs_runner", {}).values()]
-    ok = all(isinstance(c, dict) and c.get("ok") for c in checks) and "parity" in report and "engine_vs_runner" in report
+    checks = [
+        report.get("accuracy", {"ok": what != TRAINED}),
+        report.get("fp16_vs_fp32", {}),
+        *report.get("parity", {}).values(),
+        *report.get("engine_vs_runner", {}).values(),
+    ]
+    ok = (
+        all(isinstance(c, dict) and c.get("ok") for c in checks) and "parity" in report and "engine_vs_runner" in report
+    )
     report["ok"] = ok
     print()
     if isinstance(report.get("throughput"), dict) and "error" not in report["throughput"]:

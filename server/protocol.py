@@ -19,22 +19,63 @@ from typing import Any
 from runtime.llm.sampling_params import SamplingParams
 
 # Fields of OpenAI's API that take only their default here, with the value that is allowed.
-_ONLY_DEFAULT = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
-                 "suffix": ("",), "logit_bias": ({},), "use_beam_search": (False,)}  # fmt: skip
+_ONLY_DEFAULT = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "suffix": ("",),
+    "logit_bias": ({},),
+    "use_beam_search": (False,),
+}
 # Fields accepted and ignored, as in OpenAI's and vLLM's servers.
-_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "response_format",
-            "include_stop_str_in_output", "spaces_between_special_tokens", "add_generation_prompt",
-            "length_penalty", "stream_options", "stream", "model", "request_timeout", "min_p"}  # fmt: skip
+_IGNORED = {
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "parallel_tool_calls",
+    "response_format",
+    "include_stop_str_in_output",
+    "spaces_between_special_tokens",
+    "add_generation_prompt",
+    "length_penalty",
+    "stream_options",
+    "stream",
+    "model",
+    "request_timeout",
+    "min_p",
+}
 # SamplingParams fields a request may set directly (vLLM's extras included).
-_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_tokens", "seed", "stop", "stop_token_ids",
-             "ignore_eos", "skip_special_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty")  # fmt: skip
+_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_tokens",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -46,8 +87,13 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-          503: "service_unavailable", 504: "timeout"}  # fmt: skip
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
 
 
 def param_of(message: str) -> str:
@@ -98,8 +144,10 @@ def _common(body: dict, kind: str) -> tuple[dict, bool, bool, float | None]:
     for name, allowed in _ONLY_DEFAULT.items():
         value = body.get(name)
         if value is not None and not any(type(value) is type(a) and value == a for a in allowed):
-            raise bad(name, f"{name} must be {allowed[0]!r} or absent (Tandem returns one choice without "
-                            f"logprobs), got {value!r}")  # fmt: skip
+            raise bad(
+                name,
+                f"{name} must be {allowed[0]!r} or absent (Tandem returns one choice without logprobs), got {value!r}",
+            )
     job: dict[str, Any] = {}
     for name in _SAMPLING:
         if body.get(name) is not None:
@@ -107,7 +155,11 @@ def _common(body: dict, kind: str) -> tuple[dict, bool, bool, float | None]:
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         job["max_tokens"] = body["max_completion_tokens"]
     if "max_tokens" in job and (not _is_int(job["max_tokens"]) or job["max_tokens"] < 1):
-        name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
+        name = (
+            "max_completion_tokens"
+            if kind == "chat" and body.get("max_completion_tokens") is not None
+            else "max_tokens"
+        )
         raise bad(name, f"{name} must be an integer >= 1, got {job['max_tokens']!r}")
     if "temperature" in job and (not _is_finite(job["temperature"]) or job["temperature"] < 0):
         raise bad("temperature", f"temperature must be a number >= 0 (0 = greedy), got {job['temperature']!r}")
@@ -186,8 +238,10 @@ def _content(i: int, content: Any) -> str:
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"messages[{i}].content[{j}]", "content parts must be {'type': 'text', 'text': str} "
-                                                          "(this model reads text only)")  # fmt: skip
+                raise bad(
+                    f"messages[{i}].content[{j}]",
+                    "content parts must be {'type': 'text', 'text': str} (this model reads text only)",
+                )
             parts.append(part["text"])
         return "".join(parts)
     raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
@@ -209,8 +263,9 @@ def parse_chat(body: Any) -> Generation:
             raise bad(f"messages[{i}]", f"messages[{i}] must be an object with 'role' and 'content'")
         role = m.get("role")
         if role not in ("system", "user", "assistant", "developer", "tool"):
-            raise bad(f"messages[{i}].role", f"messages[{i}].role must be system, user, assistant or developer, "
-                                             f"got {role!r}")  # fmt: skip
+            raise bad(
+                f"messages[{i}].role", f"messages[{i}].role must be system, user, assistant or developer, got {role!r}"
+            )
         clean.append({"role": "system" if role == "developer" else role, "content": _content(i, m.get("content"))})
     job, stream, include_usage, timeout = _common(body, "chat")
     job["messages"] = clean
@@ -221,15 +276,22 @@ def parse_chat(body: Any) -> Generation:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def response(gen: Generation, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
     """The non-streaming answer."""
     if gen.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}  # fmt: skip
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -237,8 +299,16 @@ def response(gen: Generation, model: str, text: str, finish_reason: str | None, 
     return {"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": [choice], "usage": use}
 
 
-def chunk(gen: Generation, model: str, text: str | None, finish_reason: str | None = None, *,
-          role: bool = False, use: dict | None = None, no_choices: bool = False) -> dict:  # fmt: skip
+def chunk(
+    gen: Generation,
+    model: str,
+    text: str | None,
+    finish_reason: str | None = None,
+    *,
+    role: bool = False,
+    use: dict | None = None,
+    no_choices: bool = False,
+) -> dict:
     """One streamed chunk. `role`: the chat stream's first chunk; `no_choices`: the usage chunk."""
     if gen.kind == "chat":
         delta: dict = {}
@@ -251,8 +321,13 @@ def chunk(gen: Generation, model: str, text: str | None, finish_reason: str | No
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
-    out = {"id": gen.id, "object": obj, "created": gen.created, "model": model,
-           "choices": [] if no_choices else [choice]}  # fmt: skip
+    out = {
+        "id": gen.id,
+        "object": obj,
+        "created": gen.created,
+        "model": model,
+        "choices": [] if no_choices else [choice],
+    }
     if gen.include_usage:
         out["usage"] = use  # null on every chunk but the last, as OpenAI sends it
     return out

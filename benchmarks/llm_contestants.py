@@ -3,7 +3,7 @@ contestant in a fresh process. It reads the traces file the parent wrote, builds
 runs the warm-up, then each trace, and writes its result JSON after each trace (so what was
 done survives a later crash). Progress goes to stderr; the parent prints the tables.
 
-    python -m runtime.llm.bench_contestants --contestant tandem-continuous --traces-file T.json \
+    python -m benchmarks.llm_contestants --contestant tandem-continuous --traces-file T.json \
         --result R.json --dtype bfloat16 --slots 16 --max-model-len 2048 [--model M] [--floor]
 
 Requests join the engine when their arrival time has passed, with `ignore_eos`, temperature 0
@@ -78,10 +78,14 @@ def run_trace(engine, requests: list[dict], desc: str) -> dict:
     return {
         "seconds": max(ends) - t0,
         "requests": [
-            {"asked": r["max_tokens"], "produced": len(done[i].token_ids),
-             "ttft_s": None if done[i].metrics.first_token_time is None
-             else done[i].metrics.first_token_time - (t0 + r["arrival_s"]),
-             "e2e_s": done[i].metrics.finished_time - (t0 + r["arrival_s"])}
+            {
+                "asked": r["max_tokens"],
+                "produced": len(done[i].token_ids),
+                "ttft_s": None
+                if done[i].metrics.first_token_time is None
+                else done[i].metrics.first_token_time - (t0 + r["arrival_s"]),
+                "e2e_s": done[i].metrics.finished_time - (t0 + r["arrival_s"]),
+            }
             for i, r in enumerate(requests)
         ],
         "steps": engine.num_steps - steps0,
@@ -90,7 +94,7 @@ def run_trace(engine, requests: list[dict], desc: str) -> dict:
         "step_kv": kv,
         "stats_when": "after each step (running, KV); step_batch: requests in the step",
         "preemptions": sched.table.num_preemptions,
-    }  # fmt: skip
+    }
 
 
 def measure_floor(engine, num_seqs: int, context_len: int) -> dict:
@@ -117,18 +121,30 @@ def _tandem(args, data: dict) -> dict:
     # grows by exactly that much, so that the pool is that size whatever the dtype.
     kv_bytes = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
     memory = DeviceMemoryManager(MemoryConfig(device="cpu", budget_bytes=DEFAULT_CPU_BUDGET_BYTES + (kv_bytes or 0)))
-    llm = LLM(model=args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.slots, scheduler=scheduler,
-              max_model_len=args.max_model_len, enable_prefix_caching=False, kv_cache_bytes=kv_bytes,
-              memory=memory)  # fmt: skip
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device="cpu",
+        max_num_seqs=args.slots,
+        scheduler=scheduler,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False,
+        kv_cache_bytes=kv_bytes,
+        memory=memory,
+    )
     engine = llm.engine
     result["load_s"] = time.perf_counter() - t
     c = engine.scheduler.config
     pool = engine.runner.kv_pool
     result["config"] = {
-        "max_num_seqs": c.max_num_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
-        "max_model_len": engine.max_model_len, "enable_prefix_caching": pool.enable_prefix_caching,
-        "block_size": pool.block_size, "num_kv_blocks": pool.num_blocks, "kv_cache_gib": args.kv_cache_gib,
-    }  # fmt: skip
+        "max_num_seqs": c.max_num_seqs,
+        "max_num_batched_tokens": c.max_num_batched_tokens,
+        "max_model_len": engine.max_model_len,
+        "enable_prefix_caching": pool.enable_prefix_caching,
+        "block_size": pool.block_size,
+        "num_kv_blocks": pool.num_blocks,
+        "kv_cache_gib": args.kv_cache_gib,
+    }
     t = time.perf_counter()
     run_trace(engine, data["warmup"], f"tandem {scheduler} warm-up")
     result["warmup_s"] = time.perf_counter() - t
@@ -170,14 +186,25 @@ def _hf_generate(args, data: dict) -> dict:
                 width, most = max(len(r["prompt"]) for r in group), max(r["max_tokens"] for r in group)
                 ids = torch.tensor([[pad] * (width - len(r["prompt"])) + r["prompt"] for r in group])
                 mask = torch.tensor([[0] * (width - len(r["prompt"])) + [1] * len(r["prompt"]) for r in group])
-                out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=most, min_new_tokens=most,
-                                  do_sample=False, pad_token_id=pad)  # fmt: skip
+                out = hf.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=most,
+                    min_new_tokens=most,
+                    do_sample=False,
+                    pad_token_id=pad,
+                )
                 produced += [min(r["max_tokens"], out.shape[1] - width) for r in group]
                 steps += most
         wall = time.perf_counter() - t0
-        return {"seconds": wall, "steps": steps,
-                "requests": [{"asked": r["max_tokens"], "produced": p, "ttft_s": None, "e2e_s": None}
-                             for r, p in zip(requests, produced)]}  # fmt: skip
+        return {
+            "seconds": wall,
+            "steps": steps,
+            "requests": [
+                {"asked": r["max_tokens"], "produced": p, "ttft_s": None, "e2e_s": None}
+                for r, p in zip(requests, produced)
+            ],
+        }
 
     run(data["warmup"], "hf warm-up")
     for name in data["order"]:
@@ -191,7 +218,7 @@ def _hf_generate(args, data: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.llm.bench_contestants", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.llm_contestants", description=__doc__.split("\n\n")[0])
     p.add_argument("--contestant", choices=CONTESTANTS, required=True)
     p.add_argument("--traces-file", required=True)
     p.add_argument("--result", required=True)

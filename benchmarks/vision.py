@@ -10,7 +10,7 @@ or a .yaml with seeded random weights (then there is no accuracy to measure).
      at several batch sizes, as shipped (torch at cores - 1 threads) and on every core;
      Ultralytics' ONNX Runtime and OpenVINO exports of the same weights, run in a peer
      virtualenv (--peer-python, default ../peers/yolo; skipped, saying so, when absent). Each
-     peer runs in a process of its own (runtime/vision/bench_peers.py). Tandem's images/s is
+     peer runs in a process of its own (benchmarks/vision_peers.py). Tandem's images/s is
      reported against the best peer row. Full runs add Tandem with the one-to-many head + NMS
      (end2end=False) where the model also has the end-to-end head that Tandem and the peers run.
   2. mAP50-95 and mAP50 beside every row, on one held-out labeled split with one evaluator
@@ -45,36 +45,56 @@ from pathlib import Path
 from runtime.dtypes import cpu_has_native_bf16
 from runtime.vision.ultralytics_import import import_ultralytics
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PEER_PYTHON = REPO.parent / "peers" / "yolo" / "bin" / "python"
-PEER_SCRIPT = Path(__file__).resolve().parent / "bench_peers.py"
+PEER_SCRIPT = Path(__file__).resolve().parent / "vision_peers.py"
 PEER_FORMATS = ("torch", "onnx", "openvino")  # torch runs under this Python, the exports under the peer's
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench_out", help="directory for bench_vision.json / .png")
-    parser.add_argument("--model", default=None,
-                        help="a .pt or a model .yaml (default: the shipped detector when its weights exist, "
-                             "else yolo26n.yaml with random weights)")
-    parser.add_argument("--imgsz", type=int, default=None,
-                        help="default: 320 for a detector of the shapes dataset, else 640")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a .pt or a model .yaml (default: the shipped detector when its weights exist, "
+        "else yolo26n.yaml with random weights)",
+    )
+    parser.add_argument(
+        "--imgsz", type=int, default=None, help="default: 320 for a detector of the shapes dataset, else 640"
+    )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="our engine's dtype, the first row and the one latency and streams are measured "
-                             "on (auto: the default fast path; float32 keeps parity with Ultralytics)")
-    parser.add_argument("--num-images", type=int, default=None,
-                        help="throughput images: generated ones (default 64, --quick 12; + bus, zidane), "
-                             "or the first N of the evaluation split (default: all of it)")
-    parser.add_argument("--eval-data", default=None,
-                        help="a labeled dataset root (images/<split>, labels/<split>) to measure mAP on "
-                             "(default: the generated shapes test set, for a shapes detector)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="our engine's dtype, the first row and the one latency and streams are measured "
+        "on (auto: the default fast path; float32 keeps parity with Ultralytics)",
+    )
+    parser.add_argument(
+        "--num-images",
+        type=int,
+        default=None,
+        help="throughput images: generated ones (default 64, --quick 12; + bus, zidane), "
+        "or the first N of the evaluation split (default: all of it)",
+    )
+    parser.add_argument(
+        "--eval-data",
+        default=None,
+        help="a labeled dataset root (images/<split>, labels/<split>) to measure mAP on "
+        "(default: the generated shapes test set, for a shapes detector)",
+    )
     parser.add_argument("--eval-split", default="test")
-    parser.add_argument("--test-images", type=int, default=None,
-                        help="size of the generated shapes test set (default 200, --quick 64)")
-    parser.add_argument("--peer-python", default=str(DEFAULT_PEER_PYTHON),
-                        help="the Python with onnxruntime and openvino for the export peers (see ../shared/PEERS.md)")
-    parser.add_argument("--peers", default=",".join(PEER_FORMATS),
-                        help=f"comma-separated peers to run, of {', '.join(PEER_FORMATS)}")
+    parser.add_argument(
+        "--test-images", type=int, default=None, help="size of the generated shapes test set (default 200, --quick 64)"
+    )
+    parser.add_argument(
+        "--peer-python",
+        default=str(DEFAULT_PEER_PYTHON),
+        help="the Python with onnxruntime and openvino for the export peers (see ../shared/PEERS.md)",
+    )
+    parser.add_argument(
+        "--peers", default=",".join(PEER_FORMATS), help=f"comma-separated peers to run, of {', '.join(PEER_FORMATS)}"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed passes per row (default 3, --quick 2)")
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--streams", type=int, default=8)
@@ -88,7 +108,7 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def _images(folder: str, n: int) -> list[str]:
+def bench_images(folder: str, n: int) -> list[str]:
     import cv2
     import numpy as np
 
@@ -174,8 +194,20 @@ def _val_yaml(root: str, split: str, names: dict[int, str], out: str) -> str:
     return path
 
 
-def _run_peer(fmt: str, python: str, model: str, imgsz: int, device: str, paths: list[str], batches: list[int],
-              repeats: int, out: str, eval_set: tuple[str, str] | None, val_yaml: str | None, log) -> dict:
+def _run_peer(
+    fmt: str,
+    python: str,
+    model: str,
+    imgsz: int,
+    device: str,
+    paths: list[str],
+    batches: list[int],
+    repeats: int,
+    out: str,
+    eval_set: tuple[str, str] | None,
+    val_yaml: str | None,
+    log,
+) -> dict:
     """One peer format in a process of its own; its result record ({"error"} when it failed)."""
     work = os.path.abspath(os.path.join(out, "peers"))
     os.makedirs(work, exist_ok=True)
@@ -183,9 +215,28 @@ def _run_peer(fmt: str, python: str, model: str, imgsz: int, device: str, paths:
     Path(listing).write_text("\n".join(os.path.abspath(p) for p in paths) + "\n")
     result, log_path = os.path.join(work, f"{fmt}.json"), os.path.join(work, f"{fmt}.log")
     model = os.path.abspath(model) if os.path.isfile(model) else model  # the peer runs in another folder
-    cmd = [python, str(PEER_SCRIPT), "--format", fmt, "--model", model, "--imgsz", str(imgsz),
-           "--device", device, "--images", listing, "--batches", ",".join(map(str, batches)),
-           "--repeats", str(repeats), "--workdir", os.path.join(work, fmt), "--result", result]
+    cmd = [
+        python,
+        str(PEER_SCRIPT),
+        "--format",
+        fmt,
+        "--model",
+        model,
+        "--imgsz",
+        str(imgsz),
+        "--device",
+        device,
+        "--images",
+        listing,
+        "--batches",
+        ",".join(map(str, batches)),
+        "--repeats",
+        str(repeats),
+        "--workdir",
+        os.path.join(work, fmt),
+        "--result",
+        result,
+    ]
     if eval_set is not None:
         preds = os.path.join(work, f"{fmt}_predictions.json")
         cmd += ["--eval-dir", os.path.abspath(eval_set[0]), "--eval-split", eval_set[1], "--predictions", preds]
@@ -207,8 +258,9 @@ def _run_peer(fmt: str, python: str, model: str, imgsz: int, device: str, paths:
         return {"format": fmt, "error": f"no result written; log tail: {tail}", "rows": []}
 
 
-def _peers(args, model: str, imgsz: int, paths: list[str], eval_set, val_yaml, repeats: int, names,
-           log) -> tuple[list[dict], dict, list[str]]:
+def _peers(
+    args, model: str, imgsz: int, paths: list[str], eval_set, val_yaml, repeats: int, names, log
+) -> tuple[list[dict], dict, list[str]]:
     """Every peer row (with mAP where measured), Ultralytics' own validation, and what was skipped."""
     from runtime.vision.evaluate import evaluate, load_predictions
 
@@ -230,8 +282,9 @@ def _peers(args, model: str, imgsz: int, paths: list[str], eval_set, val_yaml, r
             batches = [1, top] if args.quick else sorted({1, 4, top})
         else:
             batches = [1] if args.quick else sorted({1, top})
-        r = _run_peer(fmt, python, model, imgsz, args.device, paths, batches, repeats, args.out, eval_set, val_yaml,
-                      log)
+        r = _run_peer(
+            fmt, python, model, imgsz, args.device, paths, batches, repeats, args.out, eval_set, val_yaml, log
+        )
         if r.get("error"):
             skipped.append(f"{fmt}: failed: {r['error']}")
         for note in r.get("notes", []):
@@ -303,8 +356,8 @@ def _throughput_runs(engine, paths: list[str], repeats: int) -> list[float]:
     return rates
 
 
-def _throughput(engine, paths: list[str]) -> float:
-    """One pass (runtime/bench_mixed.py's rounds)."""
+def throughput(engine, paths: list[str]) -> float:
+    """One pass (benchmarks/mixed.py's rounds)."""
     return _throughput_runs(engine, paths, 1)[0]
 
 
@@ -333,25 +386,38 @@ def _parity(model_path: str, paths: list[str], imgsz: int, device: str, dtypes: 
     images = [cv2.imread(p) for p in paths]
     if model_path.endswith((".yaml", ".yml")):
         calibrate(model.model, images, imgsz)
-    runners = {dt: YoloRunner(VisionConfig(model=model_path, imgsz=imgsz, device=device, conf=PARITY_CONF, dtype=dt),
-                              module=model.model) for dt in dtypes}  # fmt: skip
-    refs = [model.predict(p, imgsz=imgsz, conf=PARITY_CONF, device=device, verbose=False, nms=False)[0].boxes.cpu()
-            for p in paths]  # fmt: skip
+    runners = {
+        dt: YoloRunner(
+            VisionConfig(model=model_path, imgsz=imgsz, device=device, conf=PARITY_CONF, dtype=dt), module=model.model
+        )
+        for dt in dtypes
+    }
+    refs = [
+        model.predict(p, imgsz=imgsz, conf=PARITY_CONF, device=device, verbose=False, nms=False)[0].boxes.cpu()
+        for p in paths
+    ]
     out = {}
     for dt, runner in runners.items():
         box_err, conf_err, count = [], [], 0
         for image, ref in zip(images, refs):
             (d,) = runner.predict([image])
-            b, c = match_errors(d.boxes, d.conf, d.cls, ref.xyxy.numpy(), ref.conf.numpy(), ref.cls.numpy().astype(np.int64))
+            b, c = match_errors(
+                d.boxes, d.conf, d.cls, ref.xyxy.numpy(), ref.conf.numpy(), ref.cls.numpy().astype(np.int64)
+            )
             box_err.append(b)
             conf_err.append(c)
             count += len(d)
         b, c = np.concatenate(box_err), np.concatenate(conf_err)
         found = np.isfinite(b)
-        out[dt] = {"count": count, "ref_count": len(b), "no_class_match": int((~found).sum()),
-                   "median_box_px": float(np.median(b)) if len(b) else 0.0,
-                   "max_box_px": float(b[found].max()) if found.any() else 0.0,
-                   "max_conf": float(c[found].max()) if found.any() else 0.0, "over_1px": int((b > 1.0).sum())}  # fmt: skip
+        out[dt] = {
+            "count": count,
+            "ref_count": len(b),
+            "no_class_match": int((~found).sum()),
+            "median_box_px": float(np.median(b)) if len(b) else 0.0,
+            "max_box_px": float(b[found].max()) if found.any() else 0.0,
+            "max_conf": float(c[found].max()) if found.any() else 0.0,
+            "over_1px": int((b > 1.0).sum()),
+        }
     return out
 
 
@@ -400,10 +466,16 @@ def _streams(engine, n_streams: int, fps: float, seconds: float) -> dict:
             s.close()
     read = sum(h.frames_read for h in health)
     return {
-        "streams": n_streams, "fps": fps, "seconds": seconds, "frames_read": read, "frames_processed": len(lat),
-        "frames_dropped": sum(h.frames_dropped for h in health), "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99),
+        "streams": n_streams,
+        "fps": fps,
+        "seconds": seconds,
+        "frames_read": read,
+        "frames_processed": len(lat),
+        "frames_dropped": sum(h.frames_dropped for h in health),
+        "p50_ms": _pct(lat, 50),
+        "p99_ms": _pct(lat, 99),
         "mean_batch": sum(batch_sizes) / max(1, len(batch_sizes)),
-    }  # fmt: skip
+    }
 
 
 def _plot(results: dict, path: str) -> None:
@@ -414,12 +486,20 @@ def _plot(results: dict, path: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
     rows = results["rows"]
-    bars = a.bar([r["name"] for r in rows], [r["images_per_s"] for r in rows],
-                 color=["#2a7" if r["kind"] == "tandem" else "#999" for r in rows])
+    bars = a.bar(
+        [r["name"] for r in rows],
+        [r["images_per_s"] for r in rows],
+        color=["#2a7" if r["kind"] == "tandem" else "#999" for r in rows],
+    )
     for bar, r in zip(bars, rows):
         if r.get("map50_95") is not None:
-            a.annotate(f"{r['map50_95']:.3f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                       ha="center", va="bottom", fontsize=7)
+            a.annotate(
+                f"{r['map50_95']:.3f}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
     plt.setp(a.get_xticklabels(), rotation=40, ha="right", fontsize=7)
     a.set_ylabel("images / s (mAP50-95 above the bars)")
     a.set_title(f"throughput, {os.path.basename(results['model'])} @ {results['imgsz']}")
@@ -456,12 +536,14 @@ def run_bench(args: argparse.Namespace) -> int:
     eval_set = _eval_set(args, model, names, log)
     if eval_set is not None:
         paths = [str(p) for p in image_files(*eval_set)][: args.num_images or None]
-        log(f"bench vision: {model} @ {imgsz}; mAP and throughput on {len(paths)} images of "
-            f"{eval_set[0]}/images/{eval_set[1]}")
+        log(
+            f"bench vision: {model} @ {imgsz}; mAP and throughput on {len(paths)} images of "
+            f"{eval_set[0]}/images/{eval_set[1]}"
+        )
     else:
         folder = os.path.join(args.out, "bench_images")
         shutil.rmtree(folder, ignore_errors=True)
-        paths = _images(folder, args.num_images or (12 if args.quick else 64))
+        paths = bench_images(folder, args.num_images or (12 if args.quick else 64))
         log(f"bench vision: {model} @ {imgsz}; {len(paths)} generated images in {folder}, no mAP")
     val_yaml = _val_yaml(*eval_set, names, args.out) if eval_set is not None and names else None
     peer_rows, ul_val, skipped = _peers(args, model, imgsz, paths, eval_set, val_yaml, repeats, names, log)
@@ -470,8 +552,13 @@ def run_bench(args: argparse.Namespace) -> int:
 
     batching = vision_batching(max_batch_size=args.max_batch_size)
     base = dict(model=model, imgsz=imgsz, device=args.device, batching=batching)
-    results: dict = {"model": model, "imgsz": imgsz, "device": args.device, "images": len(paths),
-                     "eval": None if eval_set is None else {"data": eval_set[0], "split": eval_set[1]}}
+    results: dict = {
+        "model": model,
+        "imgsz": imgsz,
+        "device": args.device,
+        "images": len(paths),
+        "eval": None if eval_set is None else {"data": eval_set[0], "split": eval_set[1]},
+    }
     tandem_rows, latency = [], {}
     images = [cv2.imread(p) for p in paths[:8]]  # the latency runs' inputs
     for k, (name, overrides) in enumerate(_tandem_configs(args, end2end).items()):
@@ -479,9 +566,14 @@ def run_bench(args: argparse.Namespace) -> int:
         engine = VisionEngine(config)
         try:
             runs = _throughput_runs(engine, paths, repeats)
-            row = {"name": f"tandem {name}", "kind": "tandem", "config": overrides,
-                   "images_per_s": statistics.median(runs), "runs": runs,
-                   "preferred_batch_sizes": list(engine.preferred_batch_sizes)}
+            row = {
+                "name": f"tandem {name}",
+                "kind": "tandem",
+                "config": overrides,
+                "images_per_s": statistics.median(runs),
+                "runs": runs,
+                "preferred_batch_sizes": list(engine.preferred_batch_sizes),
+            }
             if k == 0:  # --dtype's row: the engine the latency and stream figures are taken on
                 stats = engine.stats()
                 for key in ("profile_images_per_s", "preferred_batch_sizes", "workers", "threads_per_worker"):
@@ -495,11 +587,14 @@ def run_bench(args: argparse.Namespace) -> int:
             engine.close()
         acc = evaluate_engine(config, *eval_set) if eval_set is not None else None
         tandem_rows.append({**row, **_map_fields(acc)})
-        log(f"tandem {name}: {row['images_per_s']:.2f} images/s (preferred batch {row['preferred_batch_sizes']}, "
-            f"{engine.workers} workers x {engine.threads} threads)" + _map_text(acc))
+        log(
+            f"tandem {name}: {row['images_per_s']:.2f} images/s (preferred batch {row['preferred_batch_sizes']}, "
+            f"{engine.workers} workers x {engine.threads} threads)" + _map_text(acc)
+        )
     ours = tandem_rows[0]["images_per_s"]
-    single = VisionEngine(VisionConfig(**{**base, "dtype": args.dtype, "batching": vision_batching(max_batch_size=1)},
-                                       profile=False))
+    single = VisionEngine(
+        VisionConfig(**{**base, "dtype": args.dtype, "batching": vision_batching(max_batch_size=1)}, profile=False)
+    )
     try:
         for frac in (0.5, 0.9):
             latency[f"batch1 {int(frac * 100)}%"] = _poisson_latency(single, images, frac * ours, n_requests)
@@ -518,12 +613,15 @@ def run_bench(args: argparse.Namespace) -> int:
     results["skipped"] = skipped
     results["ultralytics_val"] = ul_val or None
     results["throughput"] = {
-        "ultralytics": {r["name"].removeprefix("ultralytics torch "): r["images_per_s"] for r in peer_rows
-                        if r["format"] == "torch"},
+        "ultralytics": {
+            r["name"].removeprefix("ultralytics torch "): r["images_per_s"] for r in peer_rows if r["format"] == "torch"
+        },
         "peers": {r["name"]: r["images_per_s"] for r in peer_rows},
-        "tandem": ours, "ratio_vs_best": tandem_rows[0]["vs_best_peer"],
-        "tandem_by_dtype": {r["config"]["dtype"]: r["images_per_s"] for r in tandem_rows
-                            if "end2end" not in r["config"]},
+        "tandem": ours,
+        "ratio_vs_best": tandem_rows[0]["vs_best_peer"],
+        "tandem_by_dtype": {
+            r["config"]["dtype"]: r["images_per_s"] for r in tandem_rows if "end2end" not in r["config"]
+        },
     }
     results["parity_vs_ultralytics_float32"] = {"conf": PARITY_CONF, "images": len(parity_paths), **parity}
     results["latency"] = latency
@@ -552,15 +650,21 @@ def _print_table(results: dict) -> None:
     for dt, e in results["parity_vs_ultralytics_float32"].items():
         if not isinstance(e, dict):
             continue
-        print(f"{'parity ' + dt + ' vs UL fp32, px/conf':34s} box median {e['median_box_px']:.2g} max {e['max_box_px']:.2g}, "
-              f"conf max {e['max_conf']:.2g}; {e['over_1px']}/{e['ref_count']} boxes >1 px off "
-              f"({e['no_class_match']} class unmatched), {e['count']} dets vs {e['ref_count']}")
+        print(
+            f"{'parity ' + dt + ' vs UL fp32, px/conf':34s} box median {e['median_box_px']:.2g} max {e['max_box_px']:.2g}, "
+            f"conf max {e['max_conf']:.2g}; {e['over_1px']}/{e['ref_count']} boxes >1 px off "
+            f"({e['no_class_match']} class unmatched), {e['count']} dets vs {e['ref_count']}"
+        )
     for key, r in results["latency"].items():
-        print(f"{'latency ' + key + ' p50/p99 ms':34s} {r['p50_ms']:6.0f}/{r['p99_ms']:<6.0f} batch {r['mean_batch']:.2f}")
+        print(
+            f"{'latency ' + key + ' p50/p99 ms':34s} {r['p50_ms']:6.0f}/{r['p99_ms']:<6.0f} batch {r['mean_batch']:.2f}"
+        )
     s = results["streams"]
-    print(f"{'streams ' + str(s['streams']) + 'x' + str(s['fps']) + 'fps p50/p99 ms':34s} "
-          f"{s['p50_ms']:6.0f}/{s['p99_ms']:<6.0f} processed {s['frames_processed']}/{s['frames_read']}, "
-          f"dropped {s['frames_dropped']}")
+    print(
+        f"{'streams ' + str(s['streams']) + 'x' + str(s['fps']) + 'fps p50/p99 ms':34s} "
+        f"{s['p50_ms']:6.0f}/{s['p99_ms']:<6.0f} processed {s['frames_processed']}/{s['frames_read']}, "
+        f"dropped {s['frames_dropped']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,9 +22,10 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Protocol
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
-from runtime.server.protocol import APIError, Generation
+from server.protocol import APIError, Generation
 
 MODELS_TTL_S = 1.0  # how long the list of served models (read from Redis) is reused
 
@@ -78,8 +79,13 @@ class JobsBackend:
 
         self.settings = settings or JobSettings.from_env()
         self.max_queued = max_queued
-        self.redis = aioredis.Redis.from_url(self.settings.redis_url, decode_responses=True, socket_timeout=10.0,
-                                             socket_connect_timeout=2.0, health_check_interval=15)  # fmt: skip
+        self.redis = aioredis.Redis.from_url(
+            self.settings.redis_url,
+            decode_responses=True,
+            socket_timeout=10.0,
+            socket_connect_timeout=2.0,
+            health_check_interval=15,
+        )
         self._submit = self.redis.register_script(lua.SUBMIT)
         self._cancel = self.redis.register_script(lua.CANCEL)
         self._models: tuple[float, list[dict]] = (0.0, [])
@@ -113,8 +119,11 @@ class JobsBackend:
     async def health(self) -> dict:
         await self.redis.ping()
         workers = await self.workers()
-        return {"workers": len(workers), "llm": sum("llm" in w.get("serves", ()) for w in workers),
-                "vision": sum("vision" in w.get("serves", ()) for w in workers)}  # fmt: skip
+        return {
+            "workers": len(workers),
+            "llm": sum("llm" in w.get("serves", ()) for w in workers),
+            "vision": sum("vision" in w.get("serves", ()) for w in workers),
+        }
 
     # ---- jobs ---------------------------------------------------------------------------------
 
@@ -124,18 +133,38 @@ class JobsBackend:
 
         waiting = await self.redis.zcard(f"{PREFIX}queued:{queue}")
         if waiting >= self.max_queued:
-            raise APIError(503, f"the {queue} queue is full ({waiting} jobs waiting for a worker, --max-queued "
-                                f"{self.max_queued}); retry later", headers={"Retry-After": "1"})  # fmt: skip
+            raise APIError(
+                503,
+                f"the {queue} queue is full ({waiting} jobs waiting for a worker, --max-queued "
+                f"{self.max_queued}); retry later",
+                headers={"Retry-After": "1"},
+            )
 
-    async def submit(self, task: str, kwargs: dict, *, job_id: str | None = None, queue: str | None = None,
-                     priority: int = 0, max_tokens: int = 0, ttl_s: int | None = None) -> tuple[str, bool, str]:  # fmt: skip
+    async def submit(
+        self,
+        task: str,
+        kwargs: dict,
+        *,
+        job_id: str | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        max_tokens: int = 0,
+        ttl_s: int | None = None,
+    ) -> tuple[str, bool, str]:
         """Record and queue a job (idempotent on job_id). Returns (job_id, created, state)."""
         from workers.store import check_job_id, submit_args, submit_outcome
 
         queue = queue or ("llm" if task == "tandem.generate" else "vision")
         job_id = check_job_id(job_id) if job_id is not None else uuid.uuid4().hex
-        args = submit_args(job_id, task, queue, kwargs, ttl_s=ttl_s or self.settings.job_ttl_s,
-                           max_tokens=max_tokens, priority=priority)  # fmt: skip
+        args = submit_args(
+            job_id,
+            task,
+            queue,
+            kwargs,
+            ttl_s=ttl_s or self.settings.job_ttl_s,
+            max_tokens=max_tokens,
+            priority=priority,
+        )
         created, state = submit_outcome(job_id, *await self._submit(args=args))
         return job_id, created, state
 
@@ -144,8 +173,9 @@ class JobsBackend:
         kwargs = dict(gen.job)
         if deadline_s is not None:
             kwargs["deadline_s"] = deadline_s  # a job still queued then never runs
-        job_id, _, _ = await self.submit("tandem.generate", kwargs, priority=kwargs.get("priority", 0),
-                                         max_tokens=kwargs.get("max_tokens", 16))  # fmt: skip
+        job_id, _, _ = await self.submit(
+            "tandem.generate", kwargs, priority=kwargs.get("priority", 0), max_tokens=kwargs.get("max_tokens", 16)
+        )
         return JobStream(self, job_id)
 
     async def read_events(self, job_id: str, after: str = "0-0") -> AsyncIterator[tuple[str, dict]]:
@@ -186,7 +216,7 @@ class JobsBackend:
         return json.loads(final[0][1]["result"])
 
     async def cancel(self, job_id: str) -> str:
-        """"cancelled", "cancelling" (running: it stops within a step), a final state, or "missing"."""
+        """ "cancelled", "cancelling" (running: it stops within a step), a final state, or "missing"."""
         from workers.store import PREFIX
 
         return await self._cancel(args=[PREFIX, job_id, time.time(), self.settings.stream_maxlen])
@@ -222,7 +252,7 @@ class JobsBackend:
         try:
             async for event in stream.events():
                 if event["type"] == "failed":
-                    raise _job_error(event)
+                    raise job_error(event)
                 if event["type"] == "cancelled":
                     raise APIError(503, "the detection was cancelled")
         except asyncio.CancelledError:
@@ -244,7 +274,9 @@ def _event(fields: dict) -> dict:
     return event
 
 
-def _job_error(event: dict) -> APIError:
+def job_error(event: dict) -> APIError:
+    """The HTTP error for a failed job's final event: 400 naming the field for bad input,
+    504 past a deadline, else 500."""
     message = event.get("error") or "the job failed"
     if event.get("finish_reason") == "invalid_request":
         return APIError(400, message, message.split(" ", 1)[0].rstrip(":"))
@@ -305,8 +337,14 @@ class HandleStream:
 class EmbeddedBackend:
     mode = "embedded"
 
-    def __init__(self, runtime, model_name: str, max_queued: int = 256, allowed_roots: tuple[str, ...] = (),
-                 allowed_url_prefixes: tuple[str, ...] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runtime,
+        model_name: str,
+        max_queued: int = 256,
+        allowed_roots: tuple[str, ...] = (),
+        allowed_url_prefixes: tuple[str, ...] = (),
+    ) -> None:
         self.runtime = runtime
         self.model_name = model_name
         self.max_queued = max_queued
@@ -339,11 +377,13 @@ class EmbeddedBackend:
         rt = self.runtime
         if rt.llm is None:
             raise APIError(404, "this server runs no LLM (start it without --queues vision)", "model")
-        s = rt.llm.scheduler
-        waiting = len(s.waiting) + len(getattr(s, "queue", ()))
+        waiting = rt.llm_load().num_waiting
         if waiting >= self.max_queued:
-            raise APIError(503, f"the queue is full ({waiting} requests waiting, --max-queued {self.max_queued}); "
-                                "retry later", headers={"Retry-After": "1"})  # fmt: skip
+            raise APIError(
+                503,
+                f"the queue is full ({waiting} requests waiting, --max-queued {self.max_queued}); retry later",
+                headers={"Retry-After": "1"},
+            )
         job = dict(gen.job)
         prompt = job.pop("messages", None) or job.pop("prompt")
         priority = job.pop("priority", 0)
@@ -358,11 +398,9 @@ class EmbeddedBackend:
         return "missing"
 
     async def detect(self, kind: str, value: bytes | str, deadline_s: float | None) -> dict:
-        from types import SimpleNamespace
-
-        from runtime.vision.cli import _line
+        from runtime.vision.records import detection_record
         from schedulers.batch_queue import QueueFullError
-        from workers.jobs import _decode, _fetch
+        from workers.jobs import decode_upload, fetch_image, max_image_pixels
         from workers.jobspec import allowed_path, allowed_url
 
         rt = self.runtime
@@ -373,18 +411,20 @@ class EmbeddedBackend:
                 source = item = allowed_path(value, self.allowed_roots)
             elif kind == "url":
                 source = allowed_url(value, self.allowed_url_prefixes)
-                item = await asyncio.to_thread(lambda: _decode(_fetch(source), "url"))
+                item = await asyncio.to_thread(lambda: decode_upload(fetch_image(source), "url", max_image_pixels(rt)))
             else:
-                source, item = "image", await asyncio.to_thread(_decode, value, "image")
+                source, item = "image", await asyncio.to_thread(decode_upload, value, "image", max_image_pixels(rt))
             future = rt.submit_detect(item, deadline_s=deadline_s)
         except ValueError as exc:
             raise APIError(400, str(exc), kind) from None
         except QueueFullError as exc:
-            raise APIError(503, f"the vision queue is full ({exc}); retry later", headers={"Retry-After": "1"}) from None
+            raise APIError(
+                503, f"the vision queue is full ({exc}); retry later", headers={"Retry-After": "1"}
+            ) from None
         wrapped = asyncio.wrap_future(future)
         try:
             det = await wrapped
         except asyncio.CancelledError:
             future.cancel()
             raise
-        return json.loads(_line(SimpleNamespace(source=source, index=0), det))
+        return detection_record(source, 0, det)

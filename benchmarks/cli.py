@@ -1,0 +1,76 @@
+"""`python -m benchmarks NAME ...` (also `tandem bench NAME ...`): one subcommand per benchmark
+or GPU check. Building the parser imports nothing heavy; each command loads what it needs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# These modules keep torch out of their top level, so building the parser stays cheap.
+from benchmarks.jobs import add_jobs_bench_arguments
+from benchmarks.llm import add_bench_arguments as add_llm_bench
+from benchmarks.mixed import add_bench_arguments as add_mixed_bench
+from benchmarks.serve import add_bench_serve_arguments
+from benchmarks.vision import add_bench_arguments as add_vision_bench
+from tandem.cli import int_list
+
+# The GPU checks keep their own parsers (they also run as `python -m benchmarks.gpu_kernels`).
+GPU_CHECKS = {"gpu-kernels": "benchmarks.gpu_kernels", "gpu-vision": "benchmarks.gpu_vision"}
+
+
+def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Benchmarks, with peers measured in the same run.")
+    bench = parser.add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("scheduler", help="schedule + update time per step, no model")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--sizes", type=int_list, default=[256, 1024])
+    p.add_argument("--out", default="bench_out")
+    add_vision_bench(bench.add_parser("vision", help="images/s and latency against Ultralytics"))
+    add_llm_bench(bench.add_parser("llm", help="useful tokens/s, steps, KV use, TTFT: continuous vs static vs vLLM"))
+    add_mixed_bench(bench.add_parser("mixed", help="chat + cameras: one Runtime vs two processes, deadlines met"))
+    add_jobs_bench_arguments(bench.add_parser("jobs", help="LLM jobs through Redis + Celery vs the in-process Runtime"))
+    add_bench_serve_arguments(
+        bench.add_parser("serve", help="tandem serve vs vLLM's OpenAI server: output tok/s and TTFT")
+    )
+    for name, module in GPU_CHECKS.items():
+        bench.add_parser(name, help=f"GPU check (python -m {module} --help); exits 2 without CUDA", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in GPU_CHECKS:
+        import importlib
+
+        return importlib.import_module(GPU_CHECKS[argv[0]]).main(argv[1:])
+    args = build_parser(prog).parse_args(argv)
+    if args.bench == "scheduler":
+        from benchmarks.scheduler import run
+
+        run(tuple(args.sizes), args.steps, args.out)
+        return 0
+    if args.bench == "vision":
+        from benchmarks.vision import run_bench
+
+        return run_bench(args)
+    if args.bench == "llm":
+        from benchmarks.llm import run_bench as run_llm_bench
+
+        return run_llm_bench(args)
+    if args.bench == "mixed":
+        from benchmarks.mixed import run_bench as run_mixed_bench
+
+        return run_mixed_bench(args)
+    if args.bench == "serve":
+        from benchmarks.serve import run_bench_serve
+
+        return run_bench_serve(args)
+    if args.bench == "jobs":
+        from benchmarks.jobs import run_jobs_bench
+
+        return run_jobs_bench(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The `tandem` command (tandem/cli.py), above every package it wires together."""

@@ -1,0 +1,156 @@
+"""The house's floors, checked from the source (every import, also those inside functions):
+
+    tandem/      the `tandem` command: wires everything below
+    server/      the OpenAI-compatible HTTP server
+    workers/     Celery workers, the job store, camera ingestion
+    runtime/     engines, runners, the device memory manager
+    sources/     images, videos, streams
+    kernels/  schedulers/   the ground floor: they import nothing of the project
+
+Each package imports only packages on floors below its own. benchmarks/ stands beside the
+house: it may import any floor, and no floor imports it. No two modules import each other,
+directly or round a circle. schedulers/ never imports torch (nor numpy): it is policy only.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOORS = {"kernels": 0, "schedulers": 0, "sources": 1, "runtime": 2, "workers": 3, "server": 4, "tandem": 5}
+BESIDE = "benchmarks"
+PACKAGES = (*FLOORS, BESIDE)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, imported name) for every absolute import in the file, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            raise AssertionError(f"{path}:{node.lineno}: use absolute imports (the floors are read from them)")
+    return found
+
+
+def _resolve(name: str) -> str | None:
+    """The project module an imported name refers to (the longest known prefix), or None."""
+    parts = name.split(".")
+    for k in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:k])
+        if candidate in MODULES:
+            return candidate
+    return None
+
+
+def _edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in MODULES}
+    for mod, path in MODULES.items():
+        for _, name in _imports(path):
+            target = _resolve(name)
+            if target is not None and target != mod:
+                edges[mod].add(target)
+    return edges
+
+
+def _package(mod: str) -> str:
+    return mod.split(".")[0]
+
+
+def test_every_package_imports_only_floors_below_its_own():
+    wrong = []
+    for mod, path in MODULES.items():
+        pkg = _package(mod)
+        for line, name in _imports(path):
+            target = _resolve(name)
+            if target is None or _package(target) == pkg:
+                continue
+            other = _package(target)
+            if pkg == BESIDE:
+                continue  # the benchmarks may measure any floor
+            if other == BESIDE:
+                wrong.append(
+                    f"{path.relative_to(ROOT)}:{line} imports {target}: nothing of the product imports the benchmarks"
+                )
+            elif FLOORS[other] >= FLOORS[pkg]:
+                wrong.append(
+                    f"{path.relative_to(ROOT)}:{line} imports {target}, on floor {FLOORS[other]}, from floor {FLOORS[pkg]}"
+                )
+    assert not wrong, "\n".join(dict.fromkeys(wrong))
+
+
+def test_there_are_no_import_circles():
+    edges = _edges()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not circles, f"modules that import each other: {circles}"
+
+
+@pytest.mark.parametrize("package", ["schedulers"])
+def test_schedulers_import_no_torch_or_numpy_anywhere(package):
+    found = [
+        f"{p.relative_to(ROOT)}:{line} imports {name}"
+        for p in (ROOT / package).rglob("*.py")
+        for line, name in _imports(p)
+        if name.split(".")[0] in ("torch", "numpy", "triton")
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_floor_check_sees_a_wrong_import(tmp_path):
+    """The check itself can fail: an upward import in a file it reads is named."""
+    fake = ROOT / "runtime" / "_layers_probe.py"
+    fake.write_text("def f():\n    from workers.settings import QUEUES\n    return QUEUES\n")
+    try:
+        MODULES[_module_name(fake)] = fake
+        with pytest.raises(AssertionError, match=r"runtime/_layers_probe.py:2 imports workers.settings"):
+            test_every_package_imports_only_floors_below_its_own()
+    finally:
+        MODULES.pop(_module_name(fake), None)
+        fake.unlink()
