@@ -12,6 +12,7 @@ from benchmarks.llm import add_bench_arguments as add_llm_bench
 from benchmarks.mixed import add_bench_arguments as add_mixed_bench
 from benchmarks.serve import add_bench_serve_arguments
 from benchmarks.vision import add_bench_arguments as add_vision_bench
+from benchmarks.weight_kernels import add_arguments as add_weight_kernels
 from tandem.cli import int_list
 
 # The GPU checks keep their own parsers (they also run as `python -m benchmarks.gpu_kernels`).
@@ -31,6 +32,11 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     add_jobs_bench_arguments(bench.add_parser("jobs", help="LLM jobs through Redis + Celery vs the in-process Runtime"))
     add_bench_serve_arguments(
         bench.add_parser("serve", help="tandem serve vs vLLM's OpenAI server: output tok/s and TTFT")
+    )
+    add_weight_kernels(
+        bench.add_parser(
+            "weight-kernels", help="the linear layers: oneDNN-packed vs torch's int4/int8 weight-only kernels"
+        )
     )
     for name, module in GPU_CHECKS.items():
         bench.add_parser(name, help=f"GPU check (python -m {module} --help); exits 2 without CUDA", add_help=False)
@@ -65,6 +71,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
         from benchmarks.serve import run_bench_serve
 
         return run_bench_serve(args)
+    if args.bench == "weight-kernels":
+        from benchmarks.weight_kernels import run as run_weight_kernels
+
+        return run_weight_kernels(args)
     if args.bench == "jobs":
         from benchmarks.jobs import run_jobs_bench
 

@@ -1,0 +1,44 @@
+"""`python -m benchmarks weight-kernels`: every kernel it times computes what its quantized
+weights stand for (so its figures compare like with like), and it writes its JSON and plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_kernels_agree_with_their_weights_and_the_report_is_written(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "weight-kernels",
+        "--batches",
+        "1,2",
+        "--dtypes",
+        "float32,bfloat16",
+        "--iters",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "CPU flags:" in proc.stdout
+    report = json.loads((tmp_path / "weight_kernels.json").read_text())
+    assert (tmp_path / "weight_kernels.png").stat().st_size > 0
+    rows = report["rows"]
+    assert {(r["dtype"], r["batch"], r["kernel"]) for r in rows} == {
+        (d, b, k)
+        for d in ("float32", "bfloat16")
+        for b in (1, 2)
+        for k in ("onednn packed", "int4 weight-only", "int8 weight-only")
+    }
+    for r in rows:  # float32 math is exact to rounding; bfloat16 activations lose ~3 digits
+        limit = 1e-4 if r["dtype"] == "float32" else 2e-2
+        assert r["max_rel_error"] < limit, r
+        assert r["ms_per_forward"] > 0
