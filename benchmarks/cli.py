@@ -11,6 +11,7 @@ from benchmarks.jobs import add_jobs_bench_arguments
 from benchmarks.llm import add_bench_arguments as add_llm_bench
 from benchmarks.mixed import add_bench_arguments as add_mixed_bench
 from benchmarks.serve import add_bench_serve_arguments
+from benchmarks.single import add_arguments as add_single
 from benchmarks.vision import add_bench_arguments as add_vision_bench
 from benchmarks.weight_kernels import add_arguments as add_weight_kernels
 from tandem.cli import int_list
@@ -32,6 +33,9 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     add_jobs_bench_arguments(bench.add_parser("jobs", help="LLM jobs through Redis + Celery vs the in-process Runtime"))
     add_bench_serve_arguments(
         bench.add_parser("serve", help="tandem serve vs vLLM's OpenAI server: output tok/s and TTFT")
+    )
+    add_single(
+        bench.add_parser("single", help="one sequence: decode and prefill tokens/s against llama.cpp on the GGUF")
     )
     add_weight_kernels(
         bench.add_parser(
@@ -71,6 +75,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
         from benchmarks.serve import run_bench_serve
 
         return run_bench_serve(args)
+    if args.bench == "single":
+        from benchmarks.single import run as run_single
+
+        return run_single(args)
     if args.bench == "weight-kernels":
         from benchmarks.weight_kernels import run as run_weight_kernels
 

@@ -1,0 +1,221 @@
+"""`python -m benchmarks single`: one user, one sequence. Tandem's engine against llama.cpp
+(llama-cpp-python, in its own venv: ../shared/PEERS.md) on the same GGUF file, the default
+SmolLM2-135M-Instruct: time to the first token (prefill) and tokens/s after it (decode), greedy,
+exactly --max-tokens tokens from random token-id prompts that neither contestant has seen
+(a fresh prompt per run, so no prefix cache helps).
+
+Each contestant runs at its own precision, and the report says which: llama.cpp reads the
+GGUF's 4-bit weights as shipped; Tandem dequantizes them to float32 or bfloat16 (`--dtypes`).
+llama.cpp runs in a process of its own (benchmarks/single_llamacpp.py); Tandem in this one, on
+the same number of threads. Prints the CPU's flags; writes single.json and single.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import python_env, random_prompts
+from benchmarks.weight_kernels import cpu_flags
+
+LLAMACPP_PYTHON = str(Path(__file__).resolve().parents[2] / "peers" / "llamacpp" / "bin" / "python")
+CHILD = Path(__file__).resolve().with_name("single_llamacpp.py")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per run")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per contestant (median), after one warm-up")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="Tandem's, comma-separated")
+    p.add_argument("--threads", type=int, default=None, help="both contestants' threads (default: torch's)")
+    p.add_argument("--llamacpp-python", default=LLAMACPP_PYTHON, help="the peer venv's Python")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_out")
+
+
+def summarize(run: dict) -> dict:
+    """Prefill and decode figures of one run: {"prompt_tokens", "t0", "token_times"}."""
+    times = run["token_times"]
+    ttft = times[0] - run["t0"]
+    decode_s = times[-1] - times[0]
+    return {
+        "ttft_ms": 1000 * ttft,
+        "prefill_tokens_per_s": run["prompt_tokens"] / ttft,
+        "decode_tokens_per_s": (len(times) - 1) / decode_s if decode_s > 0 else float("nan"),
+        "tokens": len(times),
+    }
+
+
+def _median_row(name: str, precision: str, runs: list[dict], extra: dict) -> dict:
+    s = [summarize(r) for r in runs]
+    keys = ("ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s")
+    return {
+        "contestant": name,
+        "precision": precision,
+        **{k: statistics.median(x[k] for x in s) for k in keys},
+        "runs": s,
+        **extra,
+    }
+
+
+def run_tandem(dtype: str, data: dict, threads: int) -> dict:
+    """One sequence at a time through LLMEngine, its token times taken as each step streams them."""
+    import torch
+
+    from runtime.llm.engine import EngineConfig, LLMEngine
+    from runtime.llm.sampling_params import SamplingParams
+
+    torch.set_num_threads(threads)
+    n = data["max_tokens"]
+    longest = max(len(p) for p in data["prompts"] + [data["warmup"]])
+    t = time.perf_counter()
+    engine = LLMEngine(
+        EngineConfig(
+            dtype=dtype, device="cpu", max_num_seqs=1, max_model_len=longest + n + 16, enable_prefix_caching=False
+        )
+    )
+    load_s = time.perf_counter() - t
+    params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True)
+    runs = []
+    try:
+        for prompt in [data["warmup"], *data["prompts"]]:
+            times: list[float] = []
+
+            def sink(out, times=times) -> None:
+                now = time.perf_counter()
+                times.extend(now for _ in out.delta_token_ids)
+
+            t0 = time.perf_counter()
+            engine.add_request(list(prompt), params, sink=sink)
+            while engine.has_unfinished():
+                engine.step()
+            runs.append({"prompt_tokens": len(prompt), "t0": t0, "token_times": times})
+    finally:
+        engine.close()
+    assert all(len(r["token_times"]) == n for r in runs), "every run must make exactly max_tokens tokens"
+    return _median_row(f"tandem {dtype}", f"{dtype} (GGUF dequantized)", runs[1:], {"load_s": load_s})
+
+
+def run_llamacpp(args, data: dict, threads: int, out: Path) -> tuple[dict | None, str | None]:
+    if not Path(args.llamacpp_python).exists():
+        return None, f"no llama.cpp Python at {args.llamacpp_python} (see ../shared/PEERS.md, or --llamacpp-python)"
+    from runtime.llm.loader import default_model_path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts, result = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
+        prompts.write_text(json.dumps(data))
+        cmd = [
+            args.llamacpp_python,
+            "-P",
+            str(CHILD),
+            "--prompts-file",
+            str(prompts),
+            "--result",
+            str(result),
+            "--model",
+            default_model_path(),
+            "--threads",
+            str(threads),
+        ]
+        env = {k: v for k, v in python_env().items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        log = out / "llamacpp.log"
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=3600)
+        if proc.returncode != 0 or not result.exists():
+            return None, f"llama.cpp failed (exit {proc.returncode}); see {log}"
+        res = json.loads(result.read_text())
+    row = _median_row("llama.cpp", res["precision"], res["runs"], {"load_s": res["load_s"], "version": res["version"]})
+    return row, None
+
+
+def run(args) -> int:
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from runtime.llm.loader import resolve_hf_dir
+
+    hf_dir, _ = resolve_hf_dir(None)
+    vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(args.runs + 1, args.prompt_len, vocab, f"{args.seed}-single")
+    data = {"warmup": prompts[0], "prompts": prompts[1:], "max_tokens": args.max_tokens}
+    flags = cpu_flags()
+    print(
+        f"CPU flags: {flags}; {threads} threads; prompt {args.prompt_len} tokens, {args.max_tokens} generated, "
+        f"{args.runs} runs after a warm-up",
+        flush=True,
+    )
+    rows = []
+    for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
+        rows.append(run_tandem(dtype, data, threads))
+        print(f"  {rows[-1]['contestant']}: decode {rows[-1]['decode_tokens_per_s']:.1f} tok/s", flush=True)
+    peer, reason = run_llamacpp(args, data, threads, out)
+    if peer is not None:
+        rows.append(peer)
+    print(f"\n{'contestant':18s} {'precision':32s} {'decode tok/s':>12s} {'prefill tok/s':>13s} {'TTFT ms':>8s}")
+    for r in rows:
+        print(
+            f"{r['contestant']:18s} {r['precision']:32s} {r['decode_tokens_per_s']:12.1f} "
+            f"{r['prefill_tokens_per_s']:13.1f} {r['ttft_ms']:8.1f}"
+        )
+    if peer is None:
+        print(f"llama.cpp not run: {reason}")
+    else:
+        for r in rows[:-1]:
+            r["decode_vs_llamacpp"] = r["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+            r["prefill_vs_llamacpp"] = r["prefill_tokens_per_s"] / peer["prefill_tokens_per_s"]
+            print(
+                f"{r['contestant']} / llama.cpp: decode {r['decode_vs_llamacpp']:.2f}x, "
+                f"prefill {r['prefill_vs_llamacpp']:.2f}x (target >= 1.0x)"
+            )
+    report = {
+        "cpu_flags": flags,
+        "threads": threads,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "runs": args.runs,
+        "seed": args.seed,
+        "llamacpp_reason": reason,
+        "rows": rows,
+    }
+    (out / "single.json").write_text(json.dumps(report, indent=2))
+    _plot(rows, out / "single.png")
+    print(f"wrote {out / 'single.json'} and {out / 'single.png'}")
+    return 0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["contestant"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in (
+        (axes[0], "decode_tokens_per_s", "decode tokens/s, one sequence"),
+        (axes[1], "prefill_tokens_per_s", "prefill tokens/s"),
+    ):
+        ax.bar(names, [r[key] for r in rows], color=["tab:orange" if n == "llama.cpp" else "tab:blue" for n in names])
+        ax.set_title(title)
+        ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks single", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
