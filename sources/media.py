@@ -128,9 +128,23 @@ def _pillow_header(data: bytes) -> tuple[str, int, int] | None:
                     f"not a readable {fmt} image: its header is corrupt ({type(exc).__name__}: {exc})"
                 ) from None
             (width, height), name = im.size, im.format
+            if fmt == "TIFF":
+                width, height = _tiff_buffer(im, width, height)
             im.close()
             return ("MPO" if name == "MPO" else fmt), width, height
     return None
+
+
+def _tiff_buffer(im, width: int, height: int) -> tuple[int, int]:
+    """The size to check for a TIFF: its image, or a tile if that is larger. OpenCV's TIFF
+    decoder allocates a whole tile (TileWidth x TileLength, tags 322 and 323), so a 1 x 1 image
+    declaring 14000 x 14000 tiles cost 750 MB though its header said one pixel. (Strips need
+    no such check: the decoder clamps RowsPerStrip to the image's height.)"""
+    tags = im.tag_v2
+    tile_w, tile_h = tags.get(322), tags.get(323)
+    if tile_w and tile_h and tile_w * tile_h > width * height:
+        return int(tile_w), int(tile_h)
+    return width, height
 
 
 def _identify(data: bytes) -> tuple[str, int, int]:

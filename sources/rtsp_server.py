@@ -48,6 +48,10 @@ PAYLOAD_TYPE = 26  # JPEG's static RTP payload type (RFC 3551)
 CLOCK_HZ = 90000  # RTP clock of every video payload
 MAX_SCAN_BYTES = 1400  # scan data per packet: what would fit an Ethernet MTU were this UDP
 SEND_TIMEOUT_S = 10  # a client that takes nothing for this long is gone: drop it, free the thread
+# A client that sends nothing for this long is gone too (a half-open connection, or one that
+# never PLAYs). Playing clients keep the session alive well within it: FFmpeg sends RTCP
+# receiver reports every few seconds and a keep-alive at half the session timeout (60 s).
+RECV_TIMEOUT_S = 120
 
 
 # -- the picture -------------------------------------------------------------------------------
@@ -355,6 +359,8 @@ def read_request(reader) -> tuple[str, str, dict[str, str]] | None:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
         length = int(headers.get("content-length", "0") or 0)
+        if not 0 <= length <= 1 << 16:  # read(-1) would read to the end of the connection
+            raise ValueError(f"Content-Length {length} is not a body size this server takes")
         if length:  # SET_PARAMETER and the like may carry a body; nothing here reads it
             reader.read(length)
         return parts[0].upper(), parts[1], headers
@@ -394,6 +400,7 @@ class Handler(socketserver.BaseRequestHandler):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # A blocked sendall would hold the write lock for ever; with a send timeout it fails
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", RECV_TIMEOUT_S, 0))
         Session(sock, self.server).serve()
 
 

@@ -197,6 +197,46 @@ def test_decode_image_refuses_the_bombs_naming_the_field_and_the_limit(png_bomb,
     peak.check()
 
 
+def _tiled_tiff(side: int, tile: int) -> bytes:
+    """A side x side RGB TIFF whose one tile is tile x tile (deflate-compressed zeros: tiny on disk)."""
+    data = zlib.compress(bytes(tile * tile * 3), 9)
+    tags = [
+        (256, 4, 1, side),
+        (257, 4, 1, side),
+        (258, 3, 3, None),
+        (259, 3, 1, 8),
+        (262, 3, 1, 2),
+        (277, 3, 1, 3),
+        (284, 3, 1, 1),
+        (322, 4, 1, tile),
+        (323, 4, 1, tile),
+        (324, 4, 1, None),
+        (325, 4, 1, len(data)),
+    ]
+    ifd_size = 2 + len(tags) * 12 + 4
+    bps_at = 8 + ifd_size
+    tile_at = bps_at + 6
+    ifd = struct.pack("<H", len(tags))
+    for tag, kind, count, value in tags:
+        value = {258: bps_at, 324: tile_at}.get(tag, value)
+        packed = struct.pack("<HH", value, 0) if kind == 3 and count == 1 else struct.pack("<I", value)
+        ifd += struct.pack("<HHI", tag, kind, count) + packed
+    return b"II*\x00" + struct.pack("<I", 8) + ifd + struct.pack("<I", 0) + struct.pack("<HHH", 8, 8, 8) + data
+
+
+def test_a_tiff_whose_tiles_are_larger_than_its_image_is_sized_by_its_tiles():
+    """A 1 x 1 image with 14000 x 14000 tiles: OpenCV allocates the whole tile (750 MB) though
+    the image has one pixel, so the tile is what the limit checks."""
+    bomb = _tiled_tiff(1, 14000)
+    assert len(bomb) < 1 << 20 and image_size(bomb) == (14000, 14000)
+    with PeakGrowth() as peak:
+        with pytest.raises(ImageTooLarge, match=r"^image: 14000x14000 = 196.0 Mpx is over the limit of 67.1 Mpx"):
+            decode_image(bomb, "image")
+    peak.check()
+    ok = decode_image(_tiled_tiff(32, 32), "image")  # tiles no larger than the image decode as before
+    assert ok.shape == (32, 32, 3)
+
+
 def test_a_header_that_pillows_own_bomb_check_refuses_is_refused_naming_the_limit(monkeypatch, png_bomb):
     from PIL import Image
 

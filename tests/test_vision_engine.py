@@ -170,6 +170,37 @@ def test_priority_zero_runs_first():
         eng.close()
 
 
+def test_a_deadline_failure_runs_its_callbacks_outside_the_engine_lock():
+    """A caller's done-callback that calls into the engine from another thread must not find
+    the engine's lock held by the thread that failed the request (it used to be)."""
+    eng = VisionEngine(_serial(workers=1))
+    gate = Gate(eng)
+    try:
+        first = eng.submit(BUS)
+        gate.wait(entered=1)  # the one worker is busy: the next request waits in the queue
+        timed = eng.submit(BUS, deadline_s=1e-6)
+        in_time: list[bool] = []
+        called = threading.Event()
+
+        def callback(_future) -> None:  # runs on whichever thread resolves the future
+            t = threading.Thread(target=lambda: eng.submit(BUS).cancel())  # submit takes the engine's lock
+            t.start()
+            t.join(5)
+            in_time.append(not t.is_alive())
+            called.set()
+
+        timed.add_done_callback(callback)
+        gate.opened.set()
+        with pytest.raises(TimeoutError):
+            timed.result(timeout=SAFETY_S)
+        assert called.wait(SAFETY_S)
+        assert in_time == [True], "the callback's thread could not take the engine's lock"
+        assert first.result(timeout=SAFETY_S) is not None
+    finally:
+        gate.opened.set()
+        eng.close()
+
+
 def test_queue_timeout_and_queue_full():
     eng = VisionEngine(_serial(workers=1, batching={"max_queue_size": 2}))
     gate = Gate(eng)

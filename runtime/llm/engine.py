@@ -154,8 +154,8 @@ class LLMEngine:
             self.scheduler = StaticBatchScheduler(sched_config, pool, batching)
         else:
             self.scheduler = ContinuousBatchScheduler(sched_config, pool)
-        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = int(self.loaded.config.vocab_size)
+        self.eos_token_ids = frozenset(t for t in self.loaded.eos_token_ids if 0 <= t < self.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._ids_lock = threading.Lock()

@@ -23,7 +23,7 @@ Device memory is reserved under one owner instance claimed from the manager ("ll
 "llm#2" for a second runner on the same device): "<owner>.weights", ".activations",
 ".kv_scratch" and the KV pool's ".kv_cache"; release_memory() gives all of it back at once.
 
-A newcomer whose data cannot be admitted (`_add_request` raises: a token id outside the
+A newcomer whose data cannot be admitted (`_add_request` raises ValueError: a token id outside the
 vocabulary, say) is left out of the step and named in `StepResult.failed`; the others run as
 if it had never been planned. If execute() raises, the caller aborts the plan's requests and
 calls drop_requests() with their ids. Nothing else needs undoing: a step changes runner state only for requests of its
@@ -111,7 +111,9 @@ class ModelRunner:
         self.dtype = getattr(torch, dtype)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.eos_token_ids = list(loaded.eos_token_ids)
+        # An id past the vocabulary (a config may list one) can never be sampled: dropped here,
+        # once, rather than refused with every request at admission.
+        self.eos_token_ids = [t for t in loaded.eos_token_ids if 0 <= t < spec.vocab_size]
         self.memory = memory
         elt = torch.empty((), dtype=self.dtype).element_size()
         per_block = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elt
@@ -244,9 +246,9 @@ class ModelRunner:
         for nr in plan.new_requests:
             try:
                 self._add_request(nr, fresh)
-            except Exception as exc:  # noqa: BLE001 - one request's bad data fails that request alone
+            except ValueError as exc:  # one request's bad data fails that request alone
                 self.drop_requests([nr.request_id])
-                failed[nr.request_id] = f"{type(exc).__name__}: {exc}"
+                failed[nr.request_id] = str(exc)
         if not plan.req_ids:
             self._zero_blocks(fresh)
             return StepResult(sampled_token_ids=[], failed=failed)

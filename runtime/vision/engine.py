@@ -68,7 +68,9 @@ class VisionEngine(VisionFrontEnd):
         memory: DeviceMemoryManager | None = None,
     ) -> None:
         settle_native_pools()  # before any thread of ours touches oneDNN (see runtime/threads.py)
-        super().__init__(config or VisionConfig(), memory, threading.Condition(), module)
+        # Failures found under the condition are resolved outside it: a caller's callback
+        # never runs under the engine's lock (see runtime/vision/frontend.py).
+        super().__init__(config or VisionConfig(), memory, threading.Condition(), module, defer_failures=True)
         self._closed = False
         self._drain = True
         self._slot: queue.Queue[ReadyBatch | None] = queue.Queue(maxsize=1)
@@ -91,13 +93,14 @@ class VisionEngine(VisionFrontEnd):
 
     # -- batcher thread --
     def _next_batch(self):
-        """Wait for a due batch: (batch, its jobs, when it formed); batch is None once closed
-        and (if draining) empty. Requests past their deadline fail on the way."""
+        """Wait for a due batch, or for requests past their deadline to fail: (batch, its jobs,
+        when it formed), the batch possibly empty; batch is None once closed and (if draining)
+        empty."""
         with self._cond:
             while True:
                 now = time.monotonic()
                 plan, jobs = self.schedule(now)
-                if plan.size:
+                if plan.size or self._failed:
                     return plan, jobs, now
                 if self._closed and (not self._drain or not self.scheduler.stats().num_waiting):
                     return None, {}, now
@@ -109,10 +112,13 @@ class VisionEngine(VisionFrontEnd):
             while True:
                 self._slot_free.acquire()
                 plan, jobs, formed = self._next_batch()
+                self.resolve_failed()  # past their deadline: resolved outside the lock
                 if plan is None:
                     return
-                # prepare_batch fails its own batch's futures, never the loop
-                self._slot.put(prepare_batch(self.runner, plan, jobs, formed))
+                if plan.size:  # prepare_batch fails its own batch's futures, never the loop
+                    self._slot.put(prepare_batch(self.runner, plan, jobs, formed))
+                else:
+                    self._slot_free.release()
         finally:
             for _ in self._inferers:
                 self._slot.put(None)  # tells each inference worker no more batches come
@@ -142,6 +148,7 @@ class VisionEngine(VisionFrontEnd):
             if not drain:
                 self.fail_queued(EngineClosedError("the vision engine closed before this request ran"))
             self._cond.notify_all()
+        self.resolve_failed()
         self._batcher.join(timeout)
         for t in self._inferers:
             t.join(timeout)

@@ -10,7 +10,10 @@ Two front-ends differ only in who runs the batches, so each adds just its thread
   when the arbiter lets vision use a lane of the device beside the LLM.
 
 State (scheduler, jobs) is guarded by `cond`: the front-end's own, or the Runtime's. It is a
-re-entrant condition, so a caller that holds it (the Runtime) may call `submit`.
+re-entrant condition, so a caller that holds it (the Runtime) may call `submit`. With
+`defer_failures`, the futures of requests that fail while the condition is held (deadlines,
+close) are resolved only by `resolve_failed()`, which the front-end calls once it has let go of
+the condition: a caller's done-callback then never runs under the front-end's lock.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class VisionFrontEnd:
         memory: DeviceMemoryManager | None,
         cond: threading.Condition,
         module: nn.Module | None = None,
+        defer_failures: bool = False,
     ) -> None:
         self.config = c = config
         self.workers, self.threads = c.threads()
@@ -54,6 +58,8 @@ class VisionFrontEnd:
             raise
         self.scheduler = DynamicBatchScheduler(batching)
         self._cond = cond
+        self._defer = defer_failures
+        self._failed: list[tuple[Future, BaseException]] = []  # to resolve once cond is let go
         self.jobs: dict[str, VisionJob] = {}
         self._ids = itertools.count()
 
@@ -116,10 +122,23 @@ class VisionFrontEnd:
 
     # ---- the threads that run batches (cond held) -------------------------------------------
 
+    def _fail(self, future: Future, error: BaseException) -> None:
+        if self._defer:
+            self._failed.append((future, error))
+        else:
+            resolve(future, error=error)
+
+    def resolve_failed(self) -> None:
+        """Resolve the futures failed while the condition was held (call without holding it)."""
+        with self._cond:
+            failed, self._failed = self._failed, []
+        for future, error in failed:
+            resolve(future, error=error)
+
     def _reject(self, rid: str, msg: str) -> None:
         job = self.jobs.pop(rid, None)
         if job is not None:
-            resolve(job.future, error=DeadlineExceededError(msg + " (past its deadline)"))
+            self._fail(job.future, DeadlineExceededError(msg + " (past its deadline)"))
 
     def expire(self, now: float) -> None:
         """Fail the queued requests whose deadline has passed."""
@@ -154,13 +173,13 @@ class VisionFrontEnd:
             if rid not in self.scheduler.in_flight and self.scheduler.abort(rid)
         ]
         for job in dropped:
-            resolve(job.future, error=error)
+            self._fail(job.future, error)
         return len(dropped)
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every request still open (once the threads that run batches are gone)."""
         for job in self.jobs.values():
-            resolve(job.future, error=error)
+            self._fail(job.future, error)
         self.jobs.clear()
 
     def stats(self) -> dict:
