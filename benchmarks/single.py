@@ -32,7 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per run")
     p.add_argument("--runs", type=int, default=3, help="timed runs per contestant (median), after one warm-up")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="Tandem's, comma-separated")
+    p.add_argument(
+        "--dtypes",
+        default="float32,bfloat16,bfloat16-int4",
+        help="Tandem's, comma-separated; -int4: the layers' weights at 4 bits (quantization='int4')",
+    )
     p.add_argument("--threads", type=int, default=None, help="both contestants' threads (default: torch's)")
     p.add_argument("--llamacpp-python", default=LLAMACPP_PYTHON, help="the peer venv's Python")
     p.add_argument("--seed", type=int, default=0)
@@ -64,20 +68,27 @@ def _median_row(name: str, precision: str, runs: list[dict], extra: dict) -> dic
     }
 
 
-def run_tandem(dtype: str, data: dict, threads: int) -> dict:
-    """One sequence at a time through LLMEngine, its token times taken as each step streams them."""
+def run_tandem(spec: str, data: dict, threads: int) -> dict:
+    """One sequence at a time through LLMEngine, its token times taken as each step streams them.
+    `spec`: a dtype, or "<dtype>-int4" for 4-bit weights."""
     import torch
 
     from runtime.llm.engine import EngineConfig, LLMEngine
     from runtime.llm.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
+    dtype, _, quant = spec.partition("-")
     n = data["max_tokens"]
     longest = max(len(p) for p in data["prompts"] + [data["warmup"]])
     t = time.perf_counter()
     engine = LLMEngine(
         EngineConfig(
-            dtype=dtype, device="cpu", max_num_seqs=1, max_model_len=longest + n + 16, enable_prefix_caching=False
+            dtype=dtype,
+            device="cpu",
+            max_num_seqs=1,
+            max_model_len=longest + n + 16,
+            enable_prefix_caching=False,
+            quantization=quant or None,
         )
     )
     load_s = time.perf_counter() - t
@@ -99,7 +110,8 @@ def run_tandem(dtype: str, data: dict, threads: int) -> dict:
     finally:
         engine.close()
     assert all(len(r["token_times"]) == n for r in runs), "every run must make exactly max_tokens tokens"
-    return _median_row(f"tandem {dtype}", f"{dtype} (GGUF dequantized)", runs[1:], {"load_s": load_s})
+    precision = f"{dtype}, layers at 4 bits (int4)" if quant else f"{dtype} (GGUF dequantized)"
+    return _median_row(f"tandem {spec}", precision, runs[1:], {"load_s": load_s})
 
 
 def run_llamacpp(args, data: dict, threads: int, out: Path) -> tuple[dict | None, str | None]:

@@ -35,6 +35,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         cache_dir: str | None = None,
         memory: DeviceMemoryManager | None = None,
+        quantization: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -50,6 +51,7 @@ class LLM:
             policy=policy,
             enable_prefix_caching=enable_prefix_caching,
             cache_dir=cache_dir,
+            quantization=quantization,
         )
         self.engine = LLMEngine(config, memory)
 

@@ -42,6 +42,7 @@ from schedulers import (
 )
 
 SCHEDULERS = ("continuous", "static")
+QUANTIZATIONS = (None, "int4")
 
 
 @dataclass(slots=True)
@@ -60,6 +61,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     static_max_queue_delay_ms: float = 0.0
     cache_dir: str | None = None  # where converted GGUF models are kept
+    # None: weights in `dtype`. "int4": the decoder layers' weights held at 4 bits (groups of
+    # 32, as GGUF's Q4_1), read by torch's CPU int4 kernel; CPU and bfloat16 only. Off by
+    # default: see BENCHMARKS.md for its speed and quality figures.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -70,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0 or None, got {self.kv_cache_bytes!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
     def resolved_device(self) -> str:
         if self.device is not None:
@@ -123,6 +130,11 @@ class LLMEngine:
         device = c.resolved_device()
         on_cpu = device == "cpu"
         self.dtype = resolve_dtype(c.dtype, device)
+        if c.quantization == "int4" and (device != "cpu" or self.dtype != "bfloat16"):
+            raise ValueError(
+                f"quantization='int4' runs on CPU in bfloat16 (torch's int4 kernel takes bfloat16 activations; in "
+                f"float32 it is 3x to 30x slower than the plain path), got device {device!r} and dtype {self.dtype!r}"
+            )
         self.loaded = load_model(c.model, dtype=self.dtype, device=device, cache_dir=c.cache_dir)
         self.tokenizer = self.loaded.tokenizer
         model_max = getattr(self.loaded.config, "max_position_embeddings", 2048) or 2048
@@ -147,6 +159,7 @@ class LLMEngine:
             enable_prefix_caching=c.enable_prefix_caching,
             dtype=self.dtype,
             device=device,
+            quantization=c.quantization,
         )
         pool = self.runner.kv_pool
         if c.scheduler == "static":

@@ -15,6 +15,7 @@ ENGINE_FIELDS = (
     "max_num_batched_tokens",
     "max_model_len",
     "kv_cache_bytes",
+    "quantization",
 )
 
 
@@ -39,6 +40,12 @@ def add_engine_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
     )
     p.add_argument(
         "--kv-cache-bytes", type=int, default=None, help="KV cache size (default: the rest of the device budget)"
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int4"],
+        help="int4: the layers' weights held at 4 bits (CPU, bfloat16); off by default (BENCHMARKS.md)",
     )
 
 

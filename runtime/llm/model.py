@@ -179,6 +179,7 @@ class PackedLinear(nn.Linear):
     the checkpoint, not from a packed model."""
 
     packed: bool
+    int4_group: int  # > 0: the weight is held at 4 bits in groups of this size (quantize_int4)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, **kw) -> None:
         super().__init__(in_features, out_features, bias, **kw)
@@ -186,11 +187,42 @@ class PackedLinear(nn.Linear):
         if self.bias is not None:
             self.bias.requires_grad_(False)
         self.packed = False
+        self.int4_group = 0
+        self.int4_scales: nn.Parameter | None = None
+
+    @torch.no_grad()
+    def quantize_int4(self, group: int = 32) -> bool:
+        """Hold the weight at 4 bits: per group of `group` inputs of a row, a bfloat16 scale and
+        minimum (group-wise asymmetric, as GGUF's Q4_1 blocks of 32), packed for torch's CPU
+        int4 kernel, which takes bfloat16 activations. A Q4_1 block whose weights span its
+        whole 0..15 range comes back as the same scale and minimum, up to their bfloat16
+        rounding. False (and the weight untouched) where the shape or dtype does not fit.
+        Why: a small-batch decode reads every weight once a step; at 4 bits that is a quarter
+        of bfloat16's bytes (BENCHMARKS.md, "Weights kept small")."""
+        w = self.weight.data
+        n, k = w.shape
+        if self.packed or self.int4_group or w.dtype != torch.bfloat16 or w.device.type != "cpu":
+            return False
+        if k % group or n % 8:
+            return False
+        groups = w.float().view(n, k // group, group)
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        # The kernel computes (q - 8) * scale + zero: its zero is the group's minimum + 8 scales.
+        sz = torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous()
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.int4_scales = nn.Parameter(sz, requires_grad=False)
+        self.int4_group = group
+        return True
 
     @torch.no_grad()
     def pack(self, batch_hint: int) -> bool:
         if self.packed:
             return True
+        if self.int4_group:
+            return False  # held at 4 bits: torch's int4 kernel reads it, not oneDNN
         w = self.weight.data
         probe = torch.randn(3, self.in_features, dtype=w.dtype)
         want = F.linear(probe, w, self.bias)
@@ -206,6 +238,9 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.int4_group:
+            y = torch._weight_int4pack_mm_for_cpu(x, self.weight, self.int4_group, self.int4_scales)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
 
@@ -336,6 +371,7 @@ class LlamaModel(nn.Module):
         max_model_len: int,
         batch_hint: int = 16,
         pack_weights: bool | None = None,
+        quantization: str | None = None,
     ) -> LlamaModel:
         """The model on `device` in `dtype`, weights taken from a Hugging Face state_dict
         (consumed: each tensor is dropped from it once copied, so peak memory stays near one
@@ -353,6 +389,8 @@ class LlamaModel(nn.Module):
             * rope_inv_freq(spec).to(device)[None, :]
         )
         model.cos, model.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        if quantization == "int4":
+            model.quantize_int4()
         pack = onednn_packing_available(device, dtype) if pack_weights is None else pack_weights
         if pack:
             model.pack_linears(batch_hint)
@@ -404,6 +442,23 @@ class LlamaModel(nn.Module):
                             for n, w in zip(names, weights)
                         ),
                     )
+
+    def quantize_int4(self, group: int = 32) -> int:
+        """Hold the decoder layers' linear weights at 4 bits (PackedLinear.quantize_int4); the
+        lm_head stays in the model's dtype (it is tied to the embedding in small models, and
+        its rounding moves every logit). Returns how many layers were quantized; ValueError
+        where one could not be."""
+        layers = [
+            m for layer in self.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+        for m in layers:
+            if not m.quantize_int4(group):
+                raise ValueError(
+                    f"quantization='int4' needs bfloat16 weights on CPU with in_features divisible by {group} and "
+                    f"out_features by 8; a layer has {m.in_features} -> {m.out_features} in {m.weight.dtype} on "
+                    f"{m.weight.device.type}"
+                )
+        return len(layers)
 
     def pack_linears(self, batch_hint: int) -> None:
         """Pre-pack every linear layer for oneDNN (CPU). A tied lm_head gets its own packed

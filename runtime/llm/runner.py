@@ -81,6 +81,7 @@ class ModelRunner:
         device: str = "cpu",
         release_state_dict: bool = True,
         attention_backend: str | None = None,
+        quantization: str | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -128,7 +129,13 @@ class ModelRunner:
             # from_state_dict consumes the dict it is given, tensor by tensor.
             weights = loaded.state_dict if release_state_dict else dict(loaded.state_dict)
             self.model = LlamaModel.from_state_dict(
-                spec, weights, self.dtype, self.device, max_model_len, batch_hint=max_num_seqs
+                spec,
+                weights,
+                self.dtype,
+                self.device,
+                max_model_len,
+                batch_hint=max_num_seqs,
+                quantization=quantization,
             )
             memory.reserve(f"{owner}.weights", self.model.num_parameter_bytes())
             memory.reserve(f"{owner}.activations", self._activation_bytes(max_num_seqs, max_num_batched_tokens))
