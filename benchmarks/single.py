@@ -34,8 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3, help="timed runs per contestant (median), after one warm-up")
     p.add_argument(
         "--dtypes",
-        default="float32,bfloat16,bfloat16-int4",
-        help="Tandem's, comma-separated; -int4: the layers' weights at 4 bits (quantization='int4')",
+        default="float32,float32-compiled,bfloat16,bfloat16-compiled,bfloat16-int4,bfloat16-int4-compiled",
+        help="Tandem's, comma-separated: <dtype>[-int4][-compiled]; -int4: the layers' weights at 4 bits "
+        "(quantization='int4'); -compiled: the captured decode step (enforce_eager=False)",
     )
     p.add_argument("--threads", type=int, default=None, help="both contestants' threads (default: torch's)")
     p.add_argument("--llamacpp-python", default=LLAMACPP_PYTHON, help="the peer venv's Python")
@@ -77,7 +78,11 @@ def run_tandem(spec: str, data: dict, threads: int) -> dict:
     from runtime.llm.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
-    dtype, _, quant = spec.partition("-")
+    dtype, *options = spec.split("-")
+    if set(options) - {"int4", "compiled"}:
+        raise ValueError(f"--dtypes: {spec!r} must be <dtype>[-int4][-compiled]")
+    quant = "int4" if "int4" in options else None
+    compiled = "compiled" in options
     n = data["max_tokens"]
     longest = max(len(p) for p in data["prompts"] + [data["warmup"]])
     t = time.perf_counter()
@@ -88,10 +93,15 @@ def run_tandem(spec: str, data: dict, threads: int) -> dict:
             max_num_seqs=1,
             max_model_len=longest + n + 16,
             enable_prefix_caching=False,
-            quantization=quant or None,
+            quantization=quant,
+            enforce_eager=not compiled,
         )
     )
     load_s = time.perf_counter() - t
+    if compiled:  # time the graph, not the eager steps served while it compiles
+        engine.runner.graph.done.wait()
+        if engine.runner.graph.failed:
+            raise RuntimeError(f"{spec}: the decode step did not compile: {engine.runner.graph.failed}")
     params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True)
     runs = []
     try:
@@ -111,6 +121,7 @@ def run_tandem(spec: str, data: dict, threads: int) -> dict:
         engine.close()
     assert all(len(r["token_times"]) == n for r in runs), "every run must make exactly max_tokens tokens"
     precision = f"{dtype}, layers at 4 bits (int4)" if quant else f"{dtype} (GGUF dequantized)"
+    precision += ", captured" if compiled else ""
     return _median_row(f"tandem {spec}", precision, runs[1:], {"load_s": load_s})
 
 
@@ -171,10 +182,10 @@ def run(args) -> int:
     peer, reason = run_llamacpp(args, data, threads, out)
     if peer is not None:
         rows.append(peer)
-    print(f"\n{'contestant':18s} {'precision':32s} {'decode tok/s':>12s} {'prefill tok/s':>13s} {'TTFT ms':>8s}")
+    print(f"\n{'contestant':30s} {'precision':44s} {'decode tok/s':>12s} {'prefill tok/s':>13s} {'TTFT ms':>8s}")
     for r in rows:
         print(
-            f"{r['contestant']:18s} {r['precision']:32s} {r['decode_tokens_per_s']:12.1f} "
+            f"{r['contestant']:30s} {r['precision']:44s} {r['decode_tokens_per_s']:12.1f} "
             f"{r['prefill_tokens_per_s']:13.1f} {r['ttft_ms']:8.1f}"
         )
     if peer is None:

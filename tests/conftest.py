@@ -9,6 +9,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines the tests start stay eager unless a test asks for the captured step (EngineConfig
+# enforce_eager): a compile per engine would cost minutes of the suite. Worker and server
+# processes the tests start inherit it.
+os.environ.setdefault("TANDEM_ENFORCE_EAGER", "1")
 
 # The Triton kernels' tests run on CPU in Triton's interpreter. The flag must be set before
 # anything imports triton: triton.language's own helpers (tl.zeros, tl.sum, ...) are decorated

@@ -36,6 +36,7 @@ class LLM:
         cache_dir: str | None = None,
         memory: DeviceMemoryManager | None = None,
         quantization: str | None = None,
+        enforce_eager: bool | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -52,6 +53,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             cache_dir=cache_dir,
             quantization=quantization,
+            enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(config, memory)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +44,8 @@ from schedulers import (
 
 SCHEDULERS = ("continuous", "static")
 QUANTIZATIONS = (None, "int4")
+# Whether steps stay eager unless asked otherwise (BENCHMARKS.md, "A captured decode step").
+DEFAULT_ENFORCE_EAGER = True
 
 
 @dataclass(slots=True)
@@ -65,6 +68,10 @@ class EngineConfig:
     # 32, as GGUF's Q4_1), read by torch's CPU int4 kernel; CPU and bfloat16 only. Off by
     # default: see BENCHMARKS.md for its speed and quality figures.
     quantization: str | None = None
+    # False: decode-only steps run a graph captured by torch.compile once it is compiled (on a
+    # background thread; eager until then). True: always eager, as vLLM's flag. None: the
+    # environment's TANDEM_ENFORCE_EAGER (1 or 0; the test suite sets 1), else the default.
+    enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -77,6 +84,16 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be > 0 or None, got {self.kv_cache_bytes!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.enforce_eager not in (None, True, False):
+            raise ValueError(f"enforce_eager must be True, False or None, got {self.enforce_eager!r}")
+
+    def resolved_enforce_eager(self) -> bool:
+        if self.enforce_eager is not None:
+            return self.enforce_eager
+        env = os.environ.get("TANDEM_ENFORCE_EAGER", "")
+        if env not in ("", "0", "1"):
+            raise ValueError(f"TANDEM_ENFORCE_EAGER must be 0 or 1, got {env!r}")
+        return env == "1" if env else DEFAULT_ENFORCE_EAGER
 
     def resolved_device(self) -> str:
         if self.device is not None:
@@ -160,6 +177,8 @@ class LLMEngine:
             dtype=self.dtype,
             device=device,
             quantization=c.quantization,
+            enforce_eager=c.resolved_enforce_eager(),
+            cache_dir=c.cache_dir,
         )
         pool = self.runner.kv_pool
         if c.scheduler == "static":

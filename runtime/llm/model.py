@@ -259,6 +259,18 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = PackedLinear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
         self.down_proj = PackedLinear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
+    def _qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        t = h.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(h))
+        qk = _rope(qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)
+        return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
+
+    def _finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        h = h + self.o_proj(attn.reshape(h.shape[0], self.num_heads * self.head_dim))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
     def forward(
         self,
         h: torch.Tensor,
@@ -267,16 +279,21 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        t = h.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(h))
-        qk = _rope(qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)
-        q, k = qk[:, :nh], qk[:, nh:]
-        v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
-        attn = _attention(q, k, v, kv[0], kv[1], meta, self.scale)
-        h = h + self.o_proj(attn.reshape(t, nh * hd))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        q, k, v = self._qkv(h, cos, sin)
+        return self._finish(h, _attention(q, k, v, kv[0], kv[1], meta, self.scale))
+
+    def forward_decode(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *step: torch.Tensor
+    ) -> torch.Tensor:
+        """The decode-only step of one layer as a captured graph sees it: the K/V write and the
+        attention are one registered op (runtime/llm/graph_ops.py) over the whole cache, so
+        the graph does not break at attention. `step`: LlamaModel.forward_decode's tensors."""
+        q, k, v = self._qkv(h, cos, sin)
+        kv_cache, slot_mapping, block_tables, context_lens, mask = step
+        attn = torch.ops.tandem.decode_attention(
+            q, k, v, kv_cache, self.layer_idx, slot_mapping, block_tables, context_lens, mask, self.scale
+        )
+        return self._finish(h, attn)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -498,3 +515,30 @@ class LlamaModel(nn.Module):
         if sample_rows is None:
             return None
         return self.lm_head(self.norm(h.index_select(0, sample_rows))).float()
+
+    def forward_decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decode-only step, in the form torch.compile captures (runtime/llm/compiled.py):
+        plain tensors in, float32 logits for every row out.
+
+        input_ids, positions, slot_mapping [B] int64 (B >= 2: the runner pads a lone sequence);
+        `kv_cache` the runner's whole [layers, 2, blocks, block_size, kv_heads, head_dim]
+        tensor, written in place; block_tables [B, M >= 2] int32 padded with the pad block;
+        context_lens [B] int32; mask [B, 1, 1, M * block_size] additive (the torch fallback's).
+        No inference_mode here: a graph that writes an input in place cannot take inference
+        tensors."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        h = self.embed_tokens(input_ids)
+        step = (kv_cache, slot_mapping, block_tables, context_lens, mask)
+        for layer in self.layers:
+            h = layer.forward_decode(h, cos, sin, *step)
+        return self.lm_head(self.norm(h)).float()

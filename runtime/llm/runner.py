@@ -15,6 +15,12 @@ prefill chunks).
 Decode rows (one scheduled token) go first in the flattened batch so that attention can
 serve them all with one batched call; prefill chunks follow, one attention call each.
 
+With enforce_eager=False, decode-only steps (every row one token) run a captured graph of the
+model instead: on CPU one torch.compile graph (runtime/llm/compiled.py), compiled on a
+background thread while steps run eagerly, used once it is ready; on CUDA one CUDA graph per
+batch bucket (runtime/llm/cuda_graphs.py), captured at start. Steps with a prefill chunk stay
+eager.
+
 The runner takes the weights out of `loaded.state_dict` (it empties it unless
 release_state_dict=False): the model keeps fused, pre-packed copies, and holding both would
 double the weight memory.
@@ -44,7 +50,7 @@ from kernels.paged_attention import decode_mask
 from runtime.block_pool import BlockPool
 from runtime.llm.input_batch import InputBatch
 from runtime.llm.loader import DTYPES, LoadedModel
-from runtime.llm.model import AttentionMetadata, LlamaModel, ModelSpec, PrefillChunk
+from runtime.llm.model import AttentionMetadata, LlamaModel, ModelSpec, PrefillChunk, onednn_packing_available
 from runtime.llm.sampler import Sampler, SamplingBatch, row_seed
 from runtime.memory import DeviceMemoryManager
 from schedulers.plan import StepPlan, StepResult
@@ -82,6 +88,9 @@ class ModelRunner:
         release_state_dict: bool = True,
         attention_backend: str | None = None,
         quantization: str | None = None,
+        enforce_eager: bool = True,
+        compile_in_background: bool = True,
+        cache_dir: str | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -123,6 +132,12 @@ class ModelRunner:
             if num_kv_blocks < 1:
                 raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block ({per_block} bytes)")
 
+        # A captured decode step (runtime/llm/compiled.py): on CPU, for the torch attention path.
+        # Its frozen graph packs the weights itself, so the module keeps them plain.
+        capture = not enforce_eager and self.device.type == "cpu" and self.attention_backend == "torch"
+        self.graph = None
+        self.cuda_graphs = None  # CUDA: one graph per decode batch bucket (runtime/llm/cuda_graphs.py)
+        self.batch_hint = max_num_seqs
         self.memory_owner = owner = memory.claim("llm")
         self._memory_released = False
         try:
@@ -136,8 +151,11 @@ class ModelRunner:
                 max_model_len,
                 batch_hint=max_num_seqs,
                 quantization=quantization,
+                pack_weights=False if capture else None,
             )
             memory.reserve(f"{owner}.weights", self.model.num_parameter_bytes())
+            if capture:  # the graph holds its own (packed) copy of every weight
+                memory.reserve(f"{owner}.graph", self.model.num_parameter_bytes())
             memory.reserve(f"{owner}.activations", self._activation_bytes(max_num_seqs, max_num_batched_tokens))
             memory.reserve(f"{owner}.kv_scratch", per_block)  # before the pool, which may take all the rest
             self.kv_pool: BlockPool = memory.create_kv_pool(
@@ -150,6 +168,17 @@ class ModelRunner:
             self.pad_block = n
             shape = (spec.num_layers, 2, n + 1, block_size, spec.num_kv_heads, spec.head_dim)
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if not enforce_eager and self.device.type == "cuda" and self.attention_backend == "triton":
+                from runtime.llm.cuda_graphs import CudaGraphDecode
+
+                self.cuda_graphs = CudaGraphDecode(
+                    self.model,
+                    self.kv_cache,
+                    max_num_seqs=max_num_seqs,
+                    max_blocks=-(-max_model_len // block_size),
+                    pad_block=n,
+                )
+                self.cuda_graphs.capture()
         except BaseException:
             memory.release(owner)  # a runner that failed to start keeps no name and no bytes
             raise
@@ -160,6 +189,12 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.pad_block)
         self.requests: dict[str, _RequestState] = {}
         self.last_logits: torch.Tensor | None = None  # the last step's logits, for tests and debugging
+        self.num_graph_steps = 0  # steps run by the captured graph
+        if capture:
+            from runtime.llm.compiled import CompiledDecode
+
+            self.graph = CompiledDecode(self.model, block_size=block_size, cache_dir=cache_dir)
+            self.graph.start(background=compile_in_background)
 
     def release_memory(self) -> None:
         """Give back every byte reserved for this runner and drop the tensors they paid for
@@ -170,6 +205,8 @@ class ModelRunner:
         self._memory_released = True
         self.memory.release(self.memory_owner)
         self.model = None
+        self.graph = None
+        self.cuda_graphs = None
         self.kv_cache = None
         self.kv_caches = []
         self.last_logits = None
@@ -280,6 +317,11 @@ class ModelRunner:
         # The unwritten tail of a request's last block is read (and masked) by batched decode;
         # zeroing each block as it is handed out keeps another request's stale K/V out of it.
         self._zero_blocks(fresh)
+        if decodes and not prefills:
+            if self.cuda_graphs is not None:
+                return self._execute_cuda_graph(plan, states, decodes, failed)
+            if self._graph_ready():
+                return self._execute_graph(plan, states, decodes, failed)
 
         ids: list[int] = []
         row_of_last: dict[int, int] = {}  # plan index -> row of its last token in the batch
@@ -348,6 +390,9 @@ class ModelRunner:
         logits = self.model(input_ids, positions, meta, self.kv_caches, rows_t)
         self.last_logits = logits
 
+        return self._sample(plan, states, sample_idx, logits, failed)
+
+    def _sample(self, plan: StepPlan, states, sample_idx: list[int], logits, failed: dict[str, str]) -> StepResult:
         out: list[list[int]] = [[] for _ in plan.req_ids]
         if logits is None:
             return StepResult(sampled_token_ids=out, failed=failed)
@@ -357,6 +402,73 @@ class ModelRunner:
             states[i].token_ids.append(tok)
             out[i] = [tok]
         return StepResult(sampled_token_ids=out, failed=failed)
+
+    def _graph_ready(self) -> bool:
+        g = self.graph
+        if g is None or not g.done.is_set():
+            return False
+        if g.failed is not None:  # stay eager for good, with the weights packed as eager wants them
+            self.graph = None
+            self.memory.release(f"{self.memory_owner}.graph")
+            if onednn_packing_available(self.device, self.dtype):
+                self.model.pack_linears(self.batch_hint)
+            return False
+        return True
+
+    def _execute_graph(self, plan: StepPlan, states, decodes: list[int], failed: dict[str, str]) -> StepResult:
+        """A decode-only step through the captured graph. It takes at least two rows and two
+        table columns (sizes 0 and 1 are specialised by torch): a lone sequence gets a padding
+        row, which writes its K/V into the last slot of the pad block and is never sampled.
+        That leaves finite values in the pad block, which is all masking needs of it."""
+        bs, pad = self.block_size, self.pad_block
+        ids, pos, slots, tables = self._decode_arrays(plan, states, decodes)
+        n = len(decodes)
+        b, m = max(n, 2), max(tables.shape[1], 2)
+        table = np.full((b, m), pad, dtype=np.int32)
+        table[:n, : tables.shape[1]] = tables
+        if b > n:
+            ids.append(0)
+            pos = np.append(pos, 0)
+            slots = np.append(slots, pad * bs + bs - 1)
+        ctx = (pos + 1).astype(np.int32)
+        dev = self.device
+        # Inputs made outside inference mode: the graph writes the cache in place, which
+        # torch refuses to do beside inference tensors ("Cannot set version_counter").
+        with torch.inference_mode(False), torch.no_grad():
+            ctx_t = torch.from_numpy(ctx)
+            logits = self.graph(
+                torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.from_numpy(pos).to(dev),
+                self.kv_cache,
+                torch.from_numpy(slots).to(dev),
+                torch.from_numpy(table).to(dev),
+                ctx_t.to(dev),
+                decode_mask(ctx_t, m * bs, self.dtype).to(dev),
+            )
+        return self._sample_decodes(plan, states, decodes, logits, failed)
+
+    def _decode_arrays(self, plan: StepPlan, states, decodes: list[int]):
+        """(token ids, positions, slots, block tables) of the decode rows, host-side."""
+        num_computed, batch = plan.num_computed_tokens, self.batch
+        n = len(decodes)
+        pos = np.fromiter((num_computed[i] for i in decodes), dtype=np.int64, count=n)
+        rows = np.fromiter((batch.row_of[plan.req_ids[i]] for i in decodes), dtype=np.int64, count=n)
+        ids = [states[i].token_ids[num_computed[i]] for i in decodes]
+        slots, tables = batch.decode_inputs(rows, pos)
+        return ids, pos, slots, tables
+
+    def _execute_cuda_graph(self, plan: StepPlan, states, decodes: list[int], failed: dict[str, str]) -> StepResult:
+        logits = self.cuda_graphs(*self._decode_arrays(plan, states, decodes))
+        return self._sample_decodes(plan, states, decodes, logits, failed)
+
+    def _sample_decodes(self, plan: StepPlan, states, decodes: list[int], logits, failed) -> StepResult:
+        """Sample a graph's logits [len(decodes), vocab] for the decode rows that sample."""
+        n = len(decodes)
+        self.num_graph_steps += 1
+        keep = [k for k, i in enumerate(decodes) if plan.sample[i]]
+        logits = logits[:n] if len(keep) == n else logits[keep] if keep else None
+        self.last_logits = logits
+        return self._sample(plan, states, [decodes[k] for k in keep], logits, failed)
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
         if block_ids:
