@@ -12,12 +12,17 @@ from benchmarks.llm import add_bench_arguments as add_llm_bench
 from benchmarks.mixed import add_bench_arguments as add_mixed_bench
 from benchmarks.serve import add_bench_serve_arguments
 from benchmarks.single import add_arguments as add_single
+from benchmarks.step import add_arguments as add_step
 from benchmarks.vision import add_bench_arguments as add_vision_bench
 from benchmarks.weight_kernels import add_arguments as add_weight_kernels
 from tandem.cli import int_list
 
 # The GPU checks keep their own parsers (they also run as `python -m benchmarks.gpu_kernels`).
-GPU_CHECKS = {"gpu-kernels": "benchmarks.gpu_kernels", "gpu-vision": "benchmarks.gpu_vision"}
+GPU_CHECKS = {
+    "gpu-kernels": "benchmarks.gpu_kernels",
+    "gpu-vision": "benchmarks.gpu_vision",
+    "gpu-engine": "benchmarks.gpu_engine",
+}
 
 
 def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
@@ -37,6 +42,7 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     add_single(
         bench.add_parser("single", help="one sequence: decode and prefill tokens/s against llama.cpp on the GGUF")
     )
+    add_step(bench.add_parser("step", help="a decode step against its linear floor, eager and captured; start-up"))
     add_weight_kernels(
         bench.add_parser(
             "weight-kernels", help="the linear layers: oneDNN-packed vs torch's int4/int8 weight-only kernels"
@@ -79,6 +85,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
         from benchmarks.single import run as run_single
 
         return run_single(args)
+    if args.bench == "step":
+        from benchmarks.step import run as run_step
+
+        return run_step(args)
     if args.bench == "weight-kernels":
         from benchmarks.weight_kernels import run as run_weight_kernels
 
