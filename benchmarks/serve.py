@@ -1,5 +1,6 @@
-"""`tandem bench serve`: `tandem serve` against vLLM's OpenAI server, one load generator, the
-same model, dtype, slots and dataset, in one run.
+"""`tandem bench serve`: `tandem serve` against vLLM's OpenAI server and llama.cpp's
+(`llama-server`), one load generator, the same model, slots and dataset, in one run; each row
+says the precision its server computed at, and the report the machine's CPU flags.
 
     throughput   all --num-prompts requests sent at once (request rate inf); each server's own
                  --max-num-seqs slots bound the concurrency. Output tokens/s = completion tokens
@@ -21,6 +22,20 @@ Checked against `vllm bench serve` on one vLLM server within minutes: TTFT p50 a
 The servers run one after the other, never together: on a 2-core machine the second would
 measure the first. Tandem runs as in production (a private redis-server, one `tandem worker`,
 `tandem serve`), or `tandem serve --embedded`, or any server already running (--tandem-url).
+
+llama.cpp's server reads the GGUF file itself (the default SmolLM2's, or --model's), with
+`--parallel` = --max-num-seqs slots of --max-model-len tokens each, continuous batching, and
+its prompt cache off; it answers the same /v1/completions requests (token-id prompts,
+max_tokens with ignore_eos, temperature 0). It computes with the file's 4-bit weights (Q4_1)
+where Tandem and vLLM dequantize them to --dtype: 4-bit against float32 or bfloat16 is the
+choice a CPU user makes, and `--tandem-quantization int4` (Tandem's layers held at 4 bits,
+bfloat16) gives the 4-bit against 4-bit row. How to build llama-server (beside the repository,
+at ../peers/llamacpp/bin/llama-server) is in benchmarks/llm_llamacpp.py; without it, or with
+--skip-llamacpp, or a Hugging Face --model, it is skipped, saying so. --llamacpp-url measures
+a llama-server already running instead.
+
+The CPU (model, cores, the flags that pick kernels) is printed above the table and stored in
+serve.json (`cpu`; every flag in `all_flags`).
 """
 
 from __future__ import annotations
@@ -37,10 +52,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.common import (
+    LLAMACPP_SERVER,
     VLLM_PYTHON,
     RedisServer,
     arrival_offsets,
+    cpu_info,
     free_port,
+    gguf_file,
+    gguf_precision,
+    llamacpp_server_command,
+    llamacpp_version,
     model_dir,
     no_nan,
     percentile,
@@ -74,8 +95,14 @@ if __name__ == "__main__":
 
 def add_bench_serve_arguments(p) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--max-num-seqs", type=int, default=16, help="slots of both servers")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="Tandem's and vLLM's")
+    p.add_argument(
+        "--tandem-quantization",
+        default=None,
+        choices=["int4"],
+        help="Tandem's --quantization (int4: its layers at 4 bits, with --dtype bfloat16)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=16, help="slots of every server (llama.cpp: --parallel)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--num-prompts", type=int, default=48, help="requests per phase")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
@@ -108,6 +135,19 @@ def add_bench_serve_arguments(p) -> None:
     p.add_argument("--vllm-url", default=None, help="benchmark this running vLLM server instead of starting one")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument(
+        "--llamacpp-server",
+        default=LLAMACPP_SERVER if os.path.exists(LLAMACPP_SERVER) else None,
+        help=f"llama.cpp's llama-server binary (default: {LLAMACPP_SERVER} when present)",
+    )
+    p.add_argument("--llamacpp-url", default=None, help="benchmark this running llama-server instead of starting one")
+    p.add_argument(
+        "--llamacpp-threads", type=int, default=None, help="llama-server's --threads (default: the CPU count)"
+    )
+    p.add_argument(
+        "--llamacpp-args", default="", help="more llama-server flags, one string (e.g. '--poll 0'); in the report"
+    )
+    p.add_argument("--skip-llamacpp", action="store_true")
     p.add_argument(
         "--served-model-name",
         default=None,
@@ -382,6 +422,7 @@ def start_tandem(args, out: Path) -> Server:
         str(args.max_model_len),
     ]
     llm_flags += ["--model", args.model] if args.model else []
+    llm_flags += ["--quantization", args.tandem_quantization] if args.tandem_quantization else []
     llm_flags += ["--served-model-name", args.served_model_name] if args.served_model_name else []
     serve = [sys.executable, "-m", "tandem", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if args.embedded:
@@ -412,6 +453,37 @@ def start_tandem(args, out: Path) -> Server:
         redis.close()
         raise
     return Server("tandem", f"http://127.0.0.1:{port}", procs, cleanup=redis.close)
+
+
+def start_llamacpp(args, out: Path, gguf: str, served_name: str) -> Server:
+    if args.llamacpp_url:
+        return Server("llama.cpp", args.llamacpp_url)
+    port = free_port()
+    threads = args.llamacpp_threads or os.cpu_count() or 1
+    cmd = llamacpp_server_command(
+        args.llamacpp_server,
+        gguf,
+        port,
+        args.max_num_seqs,
+        args.max_model_len,
+        threads,
+        alias=served_name,
+        extra=args.llamacpp_args,
+    )
+    proc = _Process("llama-server", cmd, out / "llamacpp-server.log", cwd=str(out))
+    return Server("llama.cpp", f"http://127.0.0.1:{port}", [proc])
+
+
+def _served_gguf_precision(url: str) -> dict | None:
+    """The precision of the GGUF a running llama-server says it serves (/props model_path),
+    when that file is here to read; else None."""
+    import httpx
+
+    try:
+        path = httpx.get(f"{url}/props", timeout=10).json().get("model_path")
+        return gguf_precision(path) if path and os.path.isfile(path) else None
+    except Exception:  # noqa: BLE001 - no answer is an unknown precision, not a failed run
+        return None
 
 
 def start_vllm(args, out: Path, hf_dir: str, served_name: str) -> Server:
@@ -492,16 +564,78 @@ def bench_server(server: Server, args, datasets: dict) -> dict:
     return report
 
 
-def _run_one(name: str, start, args, datasets, prefer: str | None) -> dict:
+def _run_one(name: str, start, args, datasets, prefer: str | None, precision) -> dict:
+    """`precision`: what the row says its server computed at ({"precision": short,
+    "precision_detail": in words}), or a callable of the ready server's URL that finds out."""
     print(f"starting {name} ...", flush=True)
     t0 = time.monotonic()
     server = start()
     try:
         model = server.wait_ready(args.startup_timeout, prefer)
         print(f"{name} ready at {server.url} in {time.monotonic() - t0:.0f} s, model {model!r}", flush=True)
-        return bench_server(server, args, datasets)
+        if callable(precision):
+            precision = precision(server.url)
+        return {**precision, **bench_server(server, args, datasets)}
     finally:
         server.stop()
+
+
+def precisions(args, gguf_prec: dict | None) -> dict:
+    """What each server's row says it computed at: {name: {"precision", "precision_detail"}}
+    (llama.cpp's behind --llamacpp-url: a callable that asks the server)."""
+
+    def pair(short: str, detail: str) -> dict:
+        return {"precision": short, "precision_detail": detail}
+
+    def running(flag: str, url: str) -> dict:
+        return pair("unknown", f"as that server runs ({flag} {url})")
+
+    dequant = ", the GGUF dequantized" if gguf_prec else ""
+    if args.tandem_quantization:
+        tandem = pair(
+            f"{args.dtype}+int4",
+            f"{args.dtype} activations, the decoder layers' weights at 4 bits (int4: groups of 32 with a scale "
+            f"and minimum, as Q4_1){', requantized from the GGUF' if gguf_prec else ''}",
+        )
+    else:
+        tandem = pair(args.dtype, args.dtype + dequant)
+
+    def served(url: str) -> dict:
+        got = _served_gguf_precision(url)
+        return pair(got["short"], got["long"]) if got else running("--llamacpp-url", url)
+
+    return {
+        "tandem": running("--tandem-url", args.tandem_url) if args.tandem_url else tandem,
+        "vllm": running("--vllm-url", args.vllm_url) if args.vllm_url else pair(args.dtype, args.dtype + dequant),
+        "llama.cpp": served
+        if args.llamacpp_url
+        else pair(gguf_prec["short"], gguf_prec["long"])
+        if gguf_prec
+        else pair("unknown", "unknown"),
+    }
+
+
+def llamacpp_skip_reason(args) -> tuple[str | None, str | None, dict | None]:
+    """(why llama.cpp is skipped or None, the GGUF file it serves, its precision); a server
+    already running (--llamacpp-url) says itself what it serves."""
+    if args.skip_llamacpp:
+        return "--skip-llamacpp", None, None
+    if args.llamacpp_url:
+        return None, None, None
+    if not (args.llamacpp_server and os.path.exists(args.llamacpp_server)):
+        return (
+            f"no llama-server (--llamacpp-server {args.llamacpp_server}; benchmarks/llm_llamacpp.py says how to "
+            "build it)",
+            None,
+            None,
+        )
+    try:
+        path = gguf_file(args.model)
+        if path is None:
+            return f"--model {args.model} is no GGUF file (llama.cpp reads GGUF only)", None, None
+        return None, path, gguf_precision(path)
+    except Exception as exc:  # noqa: BLE001 - no GGUF to read is a reason to skip, not a crash
+        return f"no GGUF file to read ({type(exc).__name__}: {exc})", None, None
 
 
 def run_bench_serve(args) -> int:
@@ -515,6 +649,12 @@ def run_bench_serve(args) -> int:
         return 2
     if args.input_len + args.output_len > args.max_model_len:
         print("tandem bench serve: --input-len + --output-len must fit in --max-model-len", file=sys.stderr)
+        return 2
+    if args.tandem_quantization == "int4" and args.dtype != "bfloat16":
+        print("tandem bench serve: --tandem-quantization int4 runs in bfloat16 (--dtype bfloat16)", file=sys.stderr)
+        return 2
+    if args.llamacpp_threads is not None and args.llamacpp_threads < 1:
+        print("tandem bench serve: --llamacpp-threads must be >= 1", file=sys.stderr)
         return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -533,6 +673,9 @@ def run_bench_serve(args) -> int:
         vllm_reason = "--skip-vllm"
     elif not args.vllm_url and not (args.vllm_python and os.path.exists(args.vllm_python)):
         vllm_reason = f"no vLLM Python (--vllm-python {args.vllm_python})"
+    llamacpp_reason, gguf, gguf_prec = llamacpp_skip_reason(args)
+    cpu = cpu_info()
+    print(f"CPU: {cpu['model']}, {cpu['cores']} cores, flags {cpu['flags']}", flush=True)
     print(
         f"{n} requests per phase of {args.input_len} prompt tokens (random ids) and {args.output_len} output "
         f"tokens (ignore_eos), {args.dtype}, {args.max_num_seqs} slots; rates {args.request_rate:g} and "
@@ -542,16 +685,22 @@ def run_bench_serve(args) -> int:
     )
     if vllm_reason:
         print(f"vLLM skipped: {vllm_reason}")
+    if llamacpp_reason:
+        print(f"llama.cpp skipped: {llamacpp_reason}")
+    elif not args.llamacpp_url:
+        print(f"llama.cpp: {args.llamacpp_server} ({llamacpp_version(args.llamacpp_server)}) on {gguf}", flush=True)
+    prec = precisions(args, gguf_prec)
     servers = [] if args.skip_tandem else [("tandem", lambda: start_tandem(args, out))]
     servers += [] if vllm_reason else [("vllm", lambda: start_vllm(args, out, hf_dir, served))]
+    servers += [] if llamacpp_reason else [("llama.cpp", lambda: start_llamacpp(args, out, gguf, served))]
     rows, failures = [], []
     for name, start in servers:  # one after the other: one's load would be the other's noise
         try:
-            rows.append(_run_one(name, start, args, datasets, served))
+            rows.append(_run_one(name, start, args, datasets, served, prec[name]))
         except ServerFailed as exc:  # the other server is still worth measuring
             failures.append(str(exc))
             print(f"tandem bench serve: {exc}", file=sys.stderr, flush=True)
-    report = _report(args, rows, hf_dir, vllm_reason)
+    report = _report(args, rows, hf_dir, vllm_reason, llamacpp_reason, cpu)
     if rows:
         _print(report)
         (out / "serve.json").write_text(json.dumps(no_nan(report), indent=2, allow_nan=False))
@@ -564,12 +713,21 @@ def _json_rate(rate: float) -> float | str:
     return "inf" if rate == float("inf") else rate  # JSON has no infinity
 
 
-def _report(args, rows: list[dict], hf_dir: str, vllm_reason: str | None) -> dict:
+def _report(
+    args,
+    rows: list[dict],
+    hf_dir: str,
+    vllm_reason: str | None,
+    llamacpp_reason: str | None = None,
+    cpu: dict | None = None,
+) -> dict:
     report = {
+        "cpu": cpu or cpu_info(),
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "dtype": args.dtype,
+        "tandem_quantization": args.tandem_quantization,
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
         "request_rate": _json_rate(args.request_rate),
@@ -584,26 +742,36 @@ def _report(args, rows: list[dict], hf_dir: str, vllm_reason: str | None) -> dic
         if args.embedded
         else f"redis + worker (appendfsync {args.fsync})",
         "vllm_skipped": vllm_reason,
+        "llamacpp_skipped": llamacpp_reason,
+        "llamacpp_args": args.llamacpp_args,
         "servers": rows,
     }
     by_name = {r["name"]: r for r in rows}
-    if "tandem" in by_name and "vllm" in by_name:
-        t, v = by_name["tandem"], by_name["vllm"]
-        report["output_tok_s_ratio"] = t["throughput"]["output_tok_s"] / max(v["throughput"]["output_tok_s"], 1e-9)
-        report["ttft_p50_ratio"] = t["latency"]["ttft_p50_ms"] / max(v["latency"]["ttft_p50_ms"], 1e-9)
+    t = by_name.get("tandem")
+    for peer, suffix in (("vllm", ""), ("llama.cpp", "_llamacpp")):
+        if t is None or peer not in by_name:
+            continue
+        v = by_name[peer]
+        report[f"output_tok_s_ratio{suffix}"] = t["throughput"]["output_tok_s"] / max(
+            v["throughput"]["output_tok_s"], 1e-9
+        )
+        tt, vt = t["latency"]["ttft_p50_ms"], v["latency"]["ttft_p50_ms"]
+        report[f"ttft_p50_ratio{suffix}"] = tt / max(vt, 1e-9) if tt is not None and vt is not None else None
     return report
 
 
 def _print(report: dict) -> None:
+    cpu = report.get("cpu") or {}
+    print(f"\nCPU: {cpu.get('model')}, {cpu.get('cores')} cores, flags {cpu.get('flags')}")
     print(
-        f"\n{'server':<8}{'rate':>6}{'ok':>5}{'out tok/s':>11}{'TTFT p50':>11}{'TTFT p99':>11}{'TPOT p50':>11}"
+        f"{'server':<10}{'precision':<15}{'rate':>6}{'ok':>5}{'out tok/s':>11}{'TTFT p50':>11}{'TTFT p99':>11}{'TPOT p50':>11}"
         f"{'ITL p50':>10}{'e2e p50':>11}{'seconds':>9}"
     )
     for r in report["servers"]:
         for phase in ("throughput", "latency"):
             s = r[phase]
             print(
-                f"{r['name']:<8}{s['rate']!s:>6}{s['num_ok']:>5}{s['output_tok_s']:>11.1f}"
+                f"{r['name']:<10}{r.get('precision', ''):<15}{s['rate']!s:>6}{s['num_ok']:>5}{s['output_tok_s']:>11.1f}"
                 f"{s['ttft_p50_ms']:>8.0f} ms{s['ttft_p99_ms']:>8.0f} ms{s['tpot_p50_ms']:>8.1f} ms"
                 f"{s['itl_p50_ms']:>7.1f} ms{s['e2e_p50_ms']:>8.0f} ms{s['seconds']:>9.1f}"
             )
@@ -619,6 +787,8 @@ def _print(report: dict) -> None:
                 f"        runs: {tps} tok/s at rate {r['throughput']['rate']}; TTFT p50 {ttfts} ms at "
                 f"{r['latency']['rate']}/s (the best of each counts)"
             )
+        if r.get("precision_detail"):
+            print(f"        precision: {r['precision_detail']}")
         cpu = sum(r[phase]["client_cpu_s"] for phase in ("throughput", "latency"))
         print(
             f"        load average {r['load_avg_before']:.2f} before, {r['load_avg_after']:.2f} after; "
@@ -628,9 +798,20 @@ def _print(report: dict) -> None:
         tp, ttft = report["output_tok_s_ratio"], report["ttft_p50_ratio"]
         print(
             f"Tandem/vLLM: output tok/s {tp:.2f}x (target >= 1.3: {'meets' if tp >= 1.3 else 'misses'}); "
-            f"TTFT p50 at {report['ttft_rate']:g}/s {ttft:.2f}x "
-            f"(target <= 1.0: {'meets' if ttft <= 1.0 else 'misses'})"
+            f"TTFT p50 at {report['ttft_rate']:g}/s {_x(ttft)} "
+            f"(target <= 1.0: {'meets' if ttft is not None and ttft <= 1.0 else 'misses'})"
         )
+    if "output_tok_s_ratio_llamacpp" in report:
+        prec = {r["name"]: r.get("precision_detail") for r in report["servers"]}
+        print(
+            f"Tandem/llama.cpp: output tok/s {report['output_tok_s_ratio_llamacpp']:.2f}x; TTFT p50 at "
+            f"{report['ttft_rate']:g}/s {_x(report['ttft_p50_ratio_llamacpp'])} "
+            f"(Tandem {prec.get('tandem')} against llama.cpp {prec.get('llama.cpp')})"
+        )
+
+
+def _x(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
 def _plot(report: dict, path: Path) -> None:

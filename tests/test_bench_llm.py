@@ -1,6 +1,7 @@
 """`tandem bench llm`: its traces, its summary and ratio maths on made-up records, its argument
 checks, the tail of a crashed contestant's log, and one --quick run end to end (Tandem's two
-schedulers in their own processes, no vLLM)."""
+schedulers in their own processes, no vLLM, no llama.cpp: tests/test_bench_llm_llamacpp.py has
+its contestant against a fake server)."""
 
 from __future__ import annotations
 
@@ -160,6 +161,7 @@ def test_rows_of_a_crashed_contestant_keep_its_finished_traces_and_error_the_res
         (["--kv-cache-gib", "0.5"], "--kv-cache-gib"),
         (["--max-model-len", "1024"], "--max-model-len"),
         (["--timeout", "0"], "--timeout"),
+        (["--llamacpp-threads", "0"], "--llamacpp-threads"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_flag_named(argv, words):
@@ -240,6 +242,11 @@ def test_quick_run_measures_both_tandem_schedulers_in_their_own_processes(tmp_pa
     report = json.loads((out / "llm.json").read_text())
     assert report["vllm"]["status"] == "not run: --no-vllm"
     assert "vLLM: not run: --no-vllm" in proc.stdout
+    # an HF folder has no GGUF for llama.cpp to read, and the run says so
+    assert report["llamacpp"]["status"].startswith("not run: ")
+    assert f"llama.cpp: {report['llamacpp']['status']}" in proc.stdout
+    assert report["cpu"]["flags"] and f"flags {report['cpu']['flags']}" in proc.stdout
+    assert {r["precision"] for r in report["rows"]} == {"float32"}
     traces = json.loads((out / "llm_traces.json").read_text())
     asked = {t: sum(r["max_tokens"] for r in traces["traces"][t]["requests"]) for t in ("short", "poisson")}
     rows = {(r["contestant"], r["trace"]): r for r in report["rows"]}

@@ -1,14 +1,20 @@
 """`tandem bench serve`'s load generator against a tiny fake OpenAI server on loopback: SSE
-parsing, timings, token counts, failures and the statistics (no model, no vLLM; seconds)."""
+parsing, timings, token counts, failures and the statistics (no model, no vLLM, no llama.cpp:
+its server is the fake too, or a fake binary that starts the fake; seconds).
+
+Run as a script (`python tests/test_bench_serve.py --port N --alias NAME ...`), this file is a
+fake `llama-server`."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +35,7 @@ class FakeOpenAI:
         empty_first=False,
         models=("fake-model",),
         reject=lambda body: body["prompt"][0] == 0,
+        port=0,
     ):
         self.first_s, self.gap_s, self.usage, self.empty_first, self.models = first_s, gap_s, usage, empty_first, models
         self.reject = reject
@@ -107,7 +114,7 @@ class FakeOpenAI:
             daemon_threads = True
             request_queue_size = 256  # every request of a phase connects at once
 
-        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.httpd = Server(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
@@ -256,6 +263,8 @@ def test_run_bench_serve_against_a_running_server_writes_json_and_plot(tmp_path,
                 fake.url,
                 "--vllm-url",
                 fake.url,
+                "--llamacpp-url",
+                fake.url,
                 "--num-prompts",
                 "6",
                 "--input-len",
@@ -274,7 +283,11 @@ def test_run_bench_serve_against_a_running_server_writes_json_and_plot(tmp_path,
         )
     assert rc == 0
     report = json.loads((out / "serve.json").read_text(), parse_constant=lambda c: pytest.fail(c))  # strict JSON
-    assert [r["name"] for r in report["servers"]] == ["tandem", "vllm"] and report["request_rate"] == "inf"
+    assert [r["name"] for r in report["servers"]] == ["tandem", "vllm", "llama.cpp"]
+    assert report["request_rate"] == "inf" and report["llamacpp_skipped"] is None
+    assert report["cpu"]["flags"] and report["cpu"]["cores"] >= 1  # the machine, with every run
+    # servers already running: their precision is theirs to know (the fake has no /props)
+    assert [r["precision"] for r in report["servers"]] == ["unknown"] * 3
     for r in report["servers"]:
         assert r["model"] == "SmolLM2-135M-Instruct"
         assert r["throughput"]["num_ok"] == 6 and r["latency"]["num_ok"] == 6
@@ -283,19 +296,24 @@ def test_run_bench_serve_against_a_running_server_writes_json_and_plot(tmp_path,
         assert r["throughput"]["output_tok_s"] == max(r["throughput"]["runs_output_tok_s"])
         assert r["latency"]["ttft_p50_ms"] == min(r["latency"]["runs_ttft_p50_ms"])
     assert report["output_tok_s_ratio"] > 0 and report["ttft_p50_ratio"] > 0
+    assert report["output_tok_s_ratio_llamacpp"] > 0 and report["ttft_p50_ratio_llamacpp"] > 0
     assert (out / "serve.png").stat().st_size > 0
-    # Each run of each phase sent its own prompts, the same ones to both servers.
+    # Each run of each phase sent its own prompts, the same ones to every server.
     prompts = [tuple(b["prompt"]) for b in fake.bodies]
-    assert len(prompts) == 2 * (2 + 2 * 6 + 2 * 6) and len(set(prompts)) == 2 + 2 * 6 + 2 * 6
+    assert len(prompts) == 3 * (2 + 2 * 6 + 2 * 6) and len(set(prompts)) == 2 + 2 * 6 + 2 * 6
     printed = capsys.readouterr().out
     assert "Tandem/vLLM: output tok/s" in printed and "wrote" in printed and "the best of each counts" in printed
+    assert "Tandem/llama.cpp: output tok/s" in printed and f"CPU: {report['cpu']['model']}" in printed
 
 
 def test_bad_flags_exit_2(capsys):
     assert bs.main(["--input-len", "1000", "--output-len", "100", "--max-model-len", "1024", "--skip-vllm"]) == 2
     assert bs.main(["--ttft-rate", "0"]) == 2
     assert bs.main(["--request-rate", "-1"]) == 2
-    assert "must" in capsys.readouterr().err
+    assert bs.main(["--tandem-quantization", "int4", "--dtype", "float32"]) == 2
+    assert bs.main(["--llamacpp-threads", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "must" in err and "--tandem-quantization int4 runs in bfloat16" in err
 
 
 def test_launcher_patches_vllm_version_only():
@@ -324,6 +342,7 @@ def test_a_server_that_fails_to_start_exits_1_with_its_log(tmp_path, monkeypatch
                 fake.url,
                 "--vllm-python",
                 sys.executable,
+                "--skip-llamacpp",
                 "--num-prompts",
                 "2",
                 "--input-len",
@@ -353,6 +372,7 @@ def test_a_server_that_fails_every_request(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bs, "model_dir", lambda model: (str(tmp_path), 5000))
     flags = [
         "--skip-vllm",
+        "--skip-llamacpp",
         "--num-prompts",
         "3",
         "--input-len",
@@ -384,3 +404,140 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------- llama.cpp's server
+
+
+def fake_llama_server_main(argv: list[str]) -> None:
+    """A fake `llama-server`: `--version`, or FakeOpenAI on --port listing --alias, until
+    SIGTERM, after writing its arguments to $FAKE_LLAMA_ARGV."""
+    if argv == ["--version"]:
+        print("version: 0 (fake)")
+        return
+    Path(os.environ["FAKE_LLAMA_ARGV"]).write_text(json.dumps(argv))
+    port, alias = int(argv[argv.index("--port") + 1]), argv[argv.index("--alias") + 1]
+    with FakeOpenAI(first_s=0.0, gap_s=0.0, models=(alias,), port=port):
+        while True:
+            time.sleep(1)
+
+
+def _fake_llama_binary(tmp_path: Path) -> Path:
+    binary = tmp_path / "llama-server"
+    binary.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_bench_serve import fake_llama_server_main\n"
+        "fake_llama_server_main(sys.argv[1:])\n"
+    )
+    binary.chmod(0o755)
+    return binary
+
+
+def _tiny_gguf(path: Path) -> Path:
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    w.add_tensor("blk.0.w", np.zeros((2, 20), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_llamacpp_server_is_started_on_the_gguf_at_the_slots_and_reports_its_precision(tmp_path, monkeypatch, capsys):
+    """The third server, started as `llama-server --parallel <max-num-seqs>` on the same GGUF,
+    measured by the same load generator after the others, its row saying 4 bits."""
+    monkeypatch.setattr(bs, "model_dir", lambda model: (str(tmp_path), 5000))
+    monkeypatch.setenv("FAKE_LLAMA_ARGV", str(tmp_path / "argv.json"))
+    gguf = _tiny_gguf(tmp_path / "m.Q4_1.gguf")
+    out = tmp_path / "out"
+    with FakeOpenAI(first_s=0.0, gap_s=0.0, models=("m",)) as fake:
+        rc = bs.main(
+            [
+                "--model",
+                str(gguf),
+                "--tandem-url",
+                fake.url,
+                "--skip-vllm",
+                "--llamacpp-server",
+                str(_fake_llama_binary(tmp_path)),
+                "--llamacpp-threads",
+                "3",
+                "--llamacpp-args=--poll 0",
+                "--max-num-seqs",
+                "5",
+                "--max-model-len",
+                "64",
+                "--served-model-name",
+                "smol",
+                "--num-prompts",
+                "3",
+                "--input-len",
+                "4",
+                "--output-len",
+                "2",
+                "--ttft-rate",
+                "50",
+                "--num-warmup",
+                "1",
+                "--startup-timeout",
+                "60",
+                "--out",
+                str(out),
+            ]
+        )
+    assert rc == 0
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    flag = lambda name: argv[argv.index(name) + 1]  # noqa: E731
+    assert flag("--model") == str(gguf) and flag("--parallel") == "5" and flag("--ctx-size") == str(5 * 64)
+    assert flag("--threads") == "3" and flag("--alias") == "smol" and flag("--host") == "127.0.0.1"
+    assert "--cont-batching" in argv and "--no-cache-prompt" in argv and argv[-2:] == ["--poll", "0"]
+    report = json.loads((out / "serve.json").read_text())
+    lcpp = report["servers"][1]
+    assert [r["name"] for r in report["servers"]] == ["tandem", "llama.cpp"] and lcpp["model"] == "smol"
+    assert lcpp["precision"] == "Q4_1 4-bit" and "as shipped" in lcpp["precision_detail"]
+    assert lcpp["throughput"]["num_ok"] == 3 and lcpp["throughput"]["output_tokens"] == 6
+    assert report["vllm_skipped"] == "--skip-vllm" and report["llamacpp_skipped"] is None
+    printed = capsys.readouterr().out
+    assert "llama.cpp: " in printed and "version: 0 (fake)" in printed
+    assert "Q4_1 4-bit" in printed and "Tandem/llama.cpp: output tok/s" in printed
+    assert (out / "llamacpp-server.log").exists()
+
+
+def test_llamacpp_is_skipped_saying_why(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bs, "model_dir", lambda model: (str(tmp_path), 5000))
+    flags = ["--skip-vllm", "--num-prompts", "1", "--input-len", "4", "--output-len", "2", "--num-warmup", "0"]
+    flags += ["--ttft-rate", "50", "--out", str(tmp_path / "out")]
+    with FakeOpenAI(first_s=0.0, gap_s=0.0) as fake:
+        missing = tmp_path / "absent" / "llama-server"
+        assert bs.main(["--tandem-url", fake.url, "--llamacpp-server", str(missing), *flags]) == 0
+        assert f"llama.cpp skipped: no llama-server (--llamacpp-server {missing}" in capsys.readouterr().out
+        hf = tmp_path / "hf"
+        hf.mkdir()
+        args = ["--tandem-url", fake.url, "--llamacpp-server", sys.executable, "--model", str(hf), *flags]
+        assert bs.main(args) == 0
+        assert f"llama.cpp skipped: --model {hf} is no GGUF file" in capsys.readouterr().out
+    report = json.loads((tmp_path / "out" / "serve.json").read_text())
+    assert report["llamacpp_skipped"].startswith("--model") and "output_tok_s_ratio_llamacpp" not in report
+
+
+def test_each_row_names_its_precision(tmp_path):
+    p = __import__("argparse").ArgumentParser()
+    bs.add_bench_serve_arguments(p)
+    prec = {"short": "Q4_1 4-bit", "long": "Q4_1 4-bit, the GGUF as shipped"}
+    got = bs.precisions(p.parse_args(["--dtype", "float32"]), prec)
+    assert got["tandem"] == {"precision": "float32", "precision_detail": "float32, the GGUF dequantized"}
+    assert got["vllm"]["precision"] == "float32" and got["llama.cpp"]["precision"] == "Q4_1 4-bit"
+    got = bs.precisions(p.parse_args(["--tandem-quantization", "int4"]), prec)
+    assert got["tandem"]["precision"] == "bfloat16+int4" and "4 bits (int4" in got["tandem"]["precision_detail"]
+    got = bs.precisions(p.parse_args(["--vllm-url", "http://x"]), None)
+    assert got["vllm"] == {"precision": "unknown", "precision_detail": "as that server runs (--vllm-url http://x)"}
+
+
+if __name__ == "__main__":
+    fake_llama_server_main(sys.argv[1:])
