@@ -133,6 +133,11 @@ def _tandem(args, data: dict) -> dict:
         memory=memory,
     )
     engine = llm.engine
+    graph = engine.runner.graph  # enforce_eager=False (TANDEM_ENFORCE_EAGER=0): the captured step
+    if graph is not None:
+        graph.done.wait()  # time the graph, not the eager steps served while it compiles
+        result["compile_s"] = graph.compile_seconds
+        result["compile_failed"] = graph.failed
     result["load_s"] = time.perf_counter() - t
     c = engine.scheduler.config
     pool = engine.runner.kv_pool
@@ -144,12 +149,14 @@ def _tandem(args, data: dict) -> dict:
         "block_size": pool.block_size,
         "num_kv_blocks": pool.num_blocks,
         "kv_cache_gib": args.kv_cache_gib,
+        "captured_decode": graph is not None and graph.failed is None,
     }
     t = time.perf_counter()
     run_trace(engine, data["warmup"], f"tandem {scheduler} warm-up")
     result["warmup_s"] = time.perf_counter() - t
     for name in data["order"]:
         result["runs"][name] = run_trace(engine, data["traces"][name]["requests"], f"{scheduler} {args.dtype} {name}")
+        result["runs"][name]["graph_steps"] = engine.runner.num_graph_steps
         _write(args.result, result)
     if args.floor:
         result["floor"] = measure_floor(engine, num_seqs=min(16, args.slots), context_len=128)

@@ -198,8 +198,12 @@ def test_prefill_then_decode_matches_hf(model_dir, hf_model):
             assert out[rid] == [int(ref.argmax())]
 
 
-def test_chunked_prefill_mixed_with_decodes(model_dir, hf_model):
-    runner = make_runner(model_dir)
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_chunked_prefill_mixed_with_decodes(model_dir, hf_model, backend):
+    """On both CPU paths: the torch reference (gather + SDPA) and the C++ kernel that reads the
+    blocks in place (the default where it builds)."""
+    runner = make_runner(model_dir, attention_backend=backend)
+    assert runner.attention_backend == backend
     d = Driver(runner)
     long_prompt = prompt(4, 23)
     d.add("x", prompt(5, 6))

@@ -124,10 +124,13 @@ class AttentionMetadata:
     the flattened batch (rows [0, num_decodes)), then the prefill chunks."""
 
     slot_mapping: torch.Tensor  # [num_tokens] where each token's K/V goes
-    backend: str = "torch"  # "torch" (kernels/paged_attention.py) or "triton" (kernels/triton_attention.py)
+    # "torch" (kernels/paged_attention.py), "cpp" (kernels/cpu_attention.py) or "triton"
+    # (kernels/triton_attention.py); "cpp" takes the Triton path's int32 metadata.
+    backend: str = "torch"
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with a zero block
     decode_context_lens: torch.Tensor | None = None  # [num_decodes]
+    decode_cu_q_lens: torch.Tensor | None = None  # "cpp": [num_decodes + 1] int32, 0, 1, 2, ...
     decode_mask: torch.Tensor | None = None  # CPU: [num_decodes, 1, 1, max_blocks * block_size] additive
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Triton path: every prefill chunk in one launch.
@@ -307,6 +310,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     if meta.backend == "triton":
         return _attention_triton(q, k, v, k_cache, v_cache, meta, scale)
+    if meta.backend == "cpp":
+        return _attention_cpp(q, k, v, k_cache, v_cache, meta, scale)
     cpu_attn.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     nd = meta.num_decodes
     if nd and not meta.prefills:
@@ -323,6 +328,34 @@ def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float)
         else:
             out[s:e] = cpu_attn.paged_prefill_attention(q[s:e], k_cache, v_cache, c.block_ids, c.start, scale)
     return out
+
+
+def _attention_cpp(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The C++ CPU kernel (kernels/cpu_attention.py): blocks read in place; decodes in one call,
+    the prefill chunks in another, on the Triton path's metadata."""
+    from kernels import cpu_attention as cpp
+
+    cpp.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    nd = meta.num_decodes
+    parts = []
+    if nd:
+        cu = meta.decode_cu_q_lens
+        parts.append(
+            cpp.paged_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, cu, meta.decode_context_lens, scale)
+        )
+    if meta.prefills:
+        parts.append(
+            cpp.paged_attention(
+                q[nd:],
+                k_cache,
+                v_cache,
+                meta.prefill_block_tables,
+                meta.prefill_cu_q_lens,
+                meta.prefill_context_lens,
+                scale,
+            )
+        )
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _attention_triton(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -55,6 +55,16 @@ from runtime.llm.sampler import Sampler, SamplingBatch, row_seed
 from runtime.memory import DeviceMemoryManager
 from schedulers.plan import StepPlan, StepResult
 
+ATTENTION_BACKENDS = ("torch", "cpp", "triton")
+
+
+def _default_backend(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "triton"
+    from kernels import cpu_attention
+
+    return "cpp" if device.type == "cpu" and cpu_attention.available() else "torch"
+
 
 @dataclass(slots=True)
 class _RequestState:
@@ -113,11 +123,12 @@ class ModelRunner:
             )
         self.spec = spec
         self.device = torch.device(device)
-        # Triton kernels on CUDA; the torch path on CPU. Tests run "triton" on CPU under
-        # TRITON_INTERPRET=1 to check the runner's metadata for the GPU path.
-        self.attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
-        if self.attention_backend not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
+        # Triton kernels on CUDA; on CPU the C++ kernel that reads blocks in place
+        # (kernels/cpu_attention.py) where it builds, else the torch reference. Tests run
+        # "triton" on CPU under TRITON_INTERPRET=1 to check the runner's metadata for the GPU path.
+        self.attention_backend = attention_backend or _default_backend(self.device)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.dtype = getattr(torch, dtype)
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -134,7 +145,7 @@ class ModelRunner:
 
         # A captured decode step (runtime/llm/compiled.py): on CPU, for the torch attention path.
         # Its frozen graph packs the weights itself, so the module keeps them plain.
-        capture = not enforce_eager and self.device.type == "cpu" and self.attention_backend == "torch"
+        capture = not enforce_eager and self.device.type == "cpu" and self.attention_backend in ("torch", "cpp")
         self.graph = None
         self.cuda_graphs = None  # CUDA: one graph per decode batch bucket (runtime/llm/cuda_graphs.py)
         self.batch_hint = max_num_seqs
@@ -328,7 +339,8 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.empty(0), backend=self.attention_backend, num_decodes=len(decodes))
         pos_parts: list[np.ndarray] = []
         slot_parts: list[np.ndarray] = []
-        triton = self.attention_backend == "triton"
+        # Both kernels take int32 tables, context lengths and one varlen batch of prefill chunks.
+        varlen = self.attention_backend in ("triton", "cpp")
         dev = self.device
         if decodes:
             num_computed = plan.num_computed_tokens
@@ -339,9 +351,11 @@ class ModelRunner:
                 ids.append(states[i].token_ids[num_computed[i]])
             dec_slots, tables = batch.decode_inputs(rows, dec_pos)
             ctx = torch.from_numpy(dec_pos + 1)
-            if triton:
+            if varlen:
                 meta.decode_block_tables = torch.from_numpy(tables.astype(np.int32)).to(dev, non_blocking=True)
                 meta.decode_context_lens = ctx.to(dev, torch.int32, non_blocking=True)
+                if self.attention_backend == "cpp":
+                    meta.decode_cu_q_lens = torch.arange(len(decodes) + 1, dtype=torch.int32)
             else:
                 meta.decode_block_tables = torch.from_numpy(tables)
                 meta.decode_mask = decode_mask(ctx, tables.shape[1] * bs, self.dtype)
@@ -363,9 +377,9 @@ class ModelRunner:
             pos_parts.append(pos)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
             chunk_tables.append(table)
-            blocks = torch.from_numpy(table.copy()) if start > 0 and not triton else None
+            blocks = torch.from_numpy(table.copy()) if start > 0 and not varlen else None
             meta.prefills.append(PrefillChunk(row, n, start, blocks))
-        if triton and prefills:
+        if varlen and prefills:
             width = max(len(t) for t in chunk_tables)
             padded = np.full((len(prefills), width), self.pad_block, dtype=np.int32)
             for k, t in enumerate(chunk_tables):
