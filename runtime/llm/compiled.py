@@ -2,15 +2,15 @@
 
 Eager, a decode step dispatches some 400 small ops from Python (norms, RoPE, SiLU, residual
 adds, views) beside its 121 matmuls; at small batch they cost as much as the matmuls. Inductor
-fuses them into a few dozen C++ loops, and with `freezing` it folds the weights into the graph
-as constants pre-packed for MKL/oneDNN. Attention is one opaque op per layer
-(runtime/llm/graph_ops.py), so one graph spans all layers.
+fuses them into a few dozen C++ loops. The matmuls and attention stay opaque ops
+(runtime/llm/graph_ops.py: the weights as eager holds them, packed or 4-bit, one copy), so one
+graph spans all layers.
 
 Shapes: one graph serves every batch. The batch size, the block-table width and the cache's
 block count are marked dynamic at the first (warm-up) call; the runner pads a lone sequence to
 two rows and a one-block table to two blocks, because torch specialises sizes 0 and 1.
 
-Start-up: compiling a 30-layer model takes a minute or more on two cores, so it runs on a
+Start-up: compiling a 30-layer model takes 35 s or more on two cores, so it runs on a
 background thread (`start`) while the engine serves eagerly; the runner switches to the graph
 once `ready` is set. Inductor's caches (FX graphs, AOT autograd, the C++ builds) live under
 the Tandem cache folder (`<cache>/inductor/torch-<version>`; a user's own
@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from runtime.llm import graph_ops  # noqa: F401  (registers tandem::decode_attention)
+from runtime.llm import graph_ops
+from runtime.llm.model import PackedLinear
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +54,27 @@ def _use_cache_dir(path: str) -> None:
 class CompiledDecode:
     """`model.forward_decode` under torch.compile, warmed up off the engine's thread."""
 
-    def __init__(self, model, *, block_size: int, freeze: bool = True, cache_dir: str | None = None) -> None:
+    def __init__(self, model, *, block_size: int, cache_dir: str | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.cache_dir = cache_dir
         # dynamic=False with sizes marked at the warm-up call: only those dimensions become
         # symbols, so the hidden sizes stay constants the C++ loops are specialised to.
-        self._fn = torch.compile(model.forward_decode, fullgraph=True, dynamic=False, options={"freezing": freeze})
+        for m in model.modules():  # the matmuls enter the graph as eager runs them
+            if isinstance(m, PackedLinear):
+                m.graph_handle = graph_ops.register_linear(m)
+        self._fn = torch.compile(model.forward_decode, fullgraph=True, dynamic=False)
         self.ready = threading.Event()  # set once the graph is compiled and checked
         self.done = threading.Event()  # set when the warm-up ends, ready or failed
         self.failed: str | None = None
         self.compile_seconds: float | None = None
         self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        """The runner let go (release_memory): a compile still running cannot be stopped, but it
+        will not be marked ready, and it drops its model when it ends."""
+        self._closed = True
 
     def start(self, background: bool = True) -> None:
         """Compile at a warm-up call on dummy inputs: on a daemon thread, or here and now."""
@@ -100,11 +110,14 @@ class CompiledDecode:
                 raise RuntimeError("the compiled decode step gave non-finite logits at warm-up")
             self.compile_seconds = time.perf_counter() - t0
             log.info("compiled the decode step in %.1f s", self.compile_seconds)
-            self.ready.set()
+            if not self._closed:
+                self.ready.set()
         except Exception as exc:  # noqa: BLE001  (any failure leaves the engine eager, never down)
             self.failed = f"{type(exc).__name__}: {exc}"
             log.warning("compiling the decode step failed, staying eager: %s", self.failed)
         finally:
+            if self._closed:
+                self.model = self._fn = None
             self.done.set()
 
     def __call__(

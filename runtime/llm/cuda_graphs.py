@@ -5,10 +5,10 @@ the launches, not on the math. A CUDA graph replays the whole step (the Triton a
 kernels inside it, through the same tandem::decode_attention op the CPU graph uses) with one
 launch. A graph's shapes and addresses are fixed at capture, so the step's inputs live in
 buffers allocated once at the largest bucket, and a step of n sequences runs the smallest
-bucket b >= n with rows n..b-1 as padding: token 0 at position 0, writing its K/V into the last
-slot of the pad block (which only ever needs finite values: masked reads never weigh it), and
-attending to one key. Block tables are captured at full width (max_model_len / block_size); the
-kernel stops at each sequence's context length, so stale entries past it are never read.
+bucket b >= n with rows n..b-1 as padding: token 0 at position 0, slot -1 (the Triton write
+skips it, so the pad block stays zero), attending to one key of the pad block. Block tables
+are captured at full width (max_model_len / block_size); the kernel stops at each sequence's
+context length, so stale entries past it are never read.
 
 The buckets are 1, 2, 4, ... up to max_num_seqs (and max_num_seqs itself), as vLLM and
 nano-vllm capture them; all graphs share one memory pool, captured largest first.
@@ -42,7 +42,7 @@ class CudaGraphDecode:
         self.buckets = buckets(max_num_seqs)
         dev = kv_cache.device
         n = self.buckets[-1]
-        self.pad_slot = pad_block * self.block_size + self.block_size - 1
+        self.pad_slot = -1  # skipped by the K/V write
         self.ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.pos = torch.zeros(n, dtype=torch.long, device=dev)
         self.slots = torch.full((n,), self.pad_slot, dtype=torch.long, device=dev)
@@ -64,7 +64,9 @@ class CudaGraphDecode:
             self._forward(b)  # compiles the Triton kernels and settles the allocator outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: CUDA work another thread issues meanwhile (a vision engine) does not
+            # invalidate this capture.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.outputs[b] = self._forward(b)
             self.graphs[b] = graph
         torch.cuda.synchronize()
@@ -73,6 +75,8 @@ class CudaGraphDecode:
         """Float32 logits [n, vocab] of the n decode rows given (a view into the graph's output:
         valid until the next step)."""
         n, w = tables.shape
+        if n > self.buckets[-1]:
+            raise ValueError(f"{n} decode rows exceed the largest captured bucket ({self.buckets[-1]})")
         b = next(x for x in self.buckets if x >= n)
         self.ids[:n].copy_(torch.tensor(ids, dtype=torch.long))
         self.pos[:n].copy_(torch.from_numpy(pos))

@@ -1,4 +1,5 @@
-"""`tandem::decode_attention`: one layer's K/V write and decode attention as one registered op.
+"""The ops a captured decode step calls opaquely: `tandem::decode_attention` (one layer's K/V
+write and decode attention) and `tandem::linear` (a linear layer as the eager path holds it).
 
 torch.compile traces the decode step (runtime/llm/compiled.py) into one graph over all layers
 only if nothing in it breaks the trace. Paged attention indexes a cache by block tables and
@@ -10,16 +11,47 @@ layer's views: a graph that mutates a view of one of its inputs is functionalise
 of the base; mutating the input itself is what inductor re-does in place. The generated code
 then passes the cache straight through, with no copy of it (checked in its output code).
 
-Inside, the op runs the same kernels the eager path runs: the in-place C++ kernel
+`tandem::linear` runs a PackedLinear by handle. Its weight stays as eager holds it (oneDNN's
+packed layout, or 4-bit), which the graph could not take as a tensor: inductor's own freezing
+would pack a second copy, and only for static batch sizes; with the batch dynamic it falls
+back to unpacked matmuls 2-4x slower than oneDNN's. So the graph fuses everything between the
+matmuls, and the matmuls are eager's fastest, with one copy of the weights.
+
+Inside, the attention op runs the same kernels the eager path runs: the in-place C++ kernel
 (kernels/cpu_attention.py) where it built, else the torch reference (gather + SDPA); on CUDA
 the Triton kernel.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
 from kernels import paged_attention as ref
+
+# handle -> linear module; weak, so that a released model's layers are not kept alive here.
+_LINEARS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+def register_linear(module: torch.nn.Module) -> int:
+    """A handle for `module` (a PackedLinear) that tandem::linear calls it by."""
+    handle = next(_HANDLES)
+    _LINEARS[handle] = module
+    return handle
+
+
+@torch.library.custom_op("tandem::linear", mutates_args=())
+def linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """The registered linear layer `handle` applied to x [rows, in_features]."""
+    return _LINEARS[handle](x)
+
+
+@linear.register_fake
+def _(x, handle):
+    return x.new_empty((x.shape[0], _LINEARS[handle].out_features))
 
 
 def _cpu_kernel():
@@ -56,7 +88,11 @@ def decode_attention(
 
         tri.write_kv(k_cache, v_cache, k, v, slot_mapping)
         return tri.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale).contiguous()
-    ref.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    # kernels.cpu_attention's write skips negative slots (the runner's padding rows), on its C++
+    # and its torch path alike, so the pad block stays zero.
+    from kernels import cpu_attention
+
+    cpu_attention.write_kv(k_cache, v_cache, k, v, slot_mapping)
     kernel = _cpu_kernel()
     if kernel is not None:
         b = q.shape[0]

@@ -192,6 +192,9 @@ class PackedLinear(nn.Linear):
         self.packed = False
         self.int4_group = 0
         self.int4_scales: nn.Parameter | None = None
+        # Set by a captured step (runtime/llm/compiled.py): while torch.compile traces, the
+        # layer enters the graph as the opaque op tandem::linear (runtime/llm/graph_ops.py).
+        self.graph_handle: int | None = None
 
     @torch.no_grad()
     def quantize_int4(self, group: int = 32) -> bool:
@@ -239,6 +242,8 @@ class PackedLinear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.graph_handle is not None and torch.compiler.is_compiling():
+            return torch.ops.tandem.linear(x, self.graph_handle)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.int4_group:

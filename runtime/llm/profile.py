@@ -77,7 +77,7 @@ def step_vs_floor(engine, num_seqs: int = 16, context_len: int = 128, repeats: i
             engine.step()
 
     model = engine.runner.model
-    linears = [_fastest(m, num_seqs) for m in model.modules() if isinstance(m, PackedLinear)]
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     inputs = {
         m.in_features: torch.randn(num_seqs, m.in_features, dtype=model.dtype, device=engine.runner.device)
         for m in linears
@@ -108,22 +108,3 @@ def step_vs_floor(engine, num_seqs: int = 16, context_len: int = 128, repeats: i
         "num_linear_layers": len(linears),
     }
 
-
-def _fastest(m, num_rows: int):
-    """The layer as the fastest matmul we have holds it: a plain weight (a captured graph keeps
-    the module's weights plain and packs its own copies) gets a oneDNN-packed copy, so both
-    modes are measured against the same floor."""
-    import torch
-
-    from runtime.llm.model import PackedLinear, onednn_packing_available
-
-    w = m.weight
-    if m.packed or m.int4_group or not onednn_packing_available(w.device, w.dtype):
-        return m
-    copy = PackedLinear(m.in_features, m.out_features, bias=m.bias is not None, dtype=w.dtype, device=w.device)
-    with torch.no_grad():
-        copy.weight.copy_(w)
-        if m.bias is not None:
-            copy.bias.copy_(m.bias)
-    copy.pack(num_rows)
-    return copy

@@ -40,6 +40,7 @@ an already-dropped id is fine.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -50,10 +51,12 @@ from kernels.paged_attention import decode_mask
 from runtime.block_pool import BlockPool
 from runtime.llm.input_batch import InputBatch
 from runtime.llm.loader import DTYPES, LoadedModel
-from runtime.llm.model import AttentionMetadata, LlamaModel, ModelSpec, PrefillChunk, onednn_packing_available
+from runtime.llm.model import AttentionMetadata, LlamaModel, ModelSpec, PrefillChunk
 from runtime.llm.sampler import Sampler, SamplingBatch, row_seed
 from runtime.memory import DeviceMemoryManager
 from schedulers.plan import StepPlan, StepResult
+
+log = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("torch", "cpp", "triton")
 
@@ -143,12 +146,10 @@ class ModelRunner:
             if num_kv_blocks < 1:
                 raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block ({per_block} bytes)")
 
-        # A captured decode step (runtime/llm/compiled.py): on CPU, for the torch attention path.
-        # Its frozen graph packs the weights itself, so the module keeps them plain.
+        # A captured decode step (runtime/llm/compiled.py): on CPU, on either CPU attention path.
         capture = not enforce_eager and self.device.type == "cpu" and self.attention_backend in ("torch", "cpp")
         self.graph = None
         self.cuda_graphs = None  # CUDA: one graph per decode batch bucket (runtime/llm/cuda_graphs.py)
-        self.batch_hint = max_num_seqs
         self.memory_owner = owner = memory.claim("llm")
         self._memory_released = False
         try:
@@ -162,11 +163,8 @@ class ModelRunner:
                 max_model_len,
                 batch_hint=max_num_seqs,
                 quantization=quantization,
-                pack_weights=False if capture else None,
             )
             memory.reserve(f"{owner}.weights", self.model.num_parameter_bytes())
-            if capture:  # the graph holds its own (packed) copy of every weight
-                memory.reserve(f"{owner}.graph", self.model.num_parameter_bytes())
             memory.reserve(f"{owner}.activations", self._activation_bytes(max_num_seqs, max_num_batched_tokens))
             memory.reserve(f"{owner}.kv_scratch", per_block)  # before the pool, which may take all the rest
             self.kv_pool: BlockPool = memory.create_kv_pool(
@@ -189,7 +187,12 @@ class ModelRunner:
                     max_blocks=-(-max_model_len // block_size),
                     pad_block=n,
                 )
-                self.cuda_graphs.capture()
+                try:
+                    self.cuda_graphs.capture()
+                except Exception as exc:  # noqa: BLE001 - a failed capture leaves the engine eager, not down
+                    log.warning("capturing CUDA graphs failed, staying eager: %s: %s", type(exc).__name__, exc)
+                    self.cuda_graphs = None
+                    torch.cuda.synchronize(self.device)
         except BaseException:
             memory.release(owner)  # a runner that failed to start keeps no name and no bytes
             raise
@@ -216,6 +219,8 @@ class ModelRunner:
         self._memory_released = True
         self.memory.release(self.memory_owner)
         self.model = None
+        if self.graph is not None:
+            self.graph.close()
         self.graph = None
         self.cuda_graphs = None
         self.kv_cache = None
@@ -240,9 +245,11 @@ class ModelRunner:
         qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         per_token = (4 * s.hidden_size + 2 * qkv + s.num_heads * s.head_dim + 3 * s.intermediate_size) * elt
         per_token += 2 * s.hidden_size * 4  # RMSNorm's float32 copies
-        # Batched decode gathers K and V of every sequence, padded to the longest context
-        # (CPU; the Triton kernels on CUDA read the blocks in place).
+        # The torch reference's batched decode gathers K and V of every sequence, padded to the
+        # longest context.
         kv_gather = 2 * max_num_seqs * self.max_model_len * s.num_kv_heads * s.head_dim * elt
+        if self.attention_backend != "torch":  # the C++ and Triton kernels read blocks in place
+            kv_gather = 0
         scores = s.num_heads * max_tokens * min(self.max_model_len, 1024) * 4
         logits = 4 * max_num_seqs * s.vocab_size * 4  # logits, probabilities, masked copy, cdf (float32)
         return max_tokens * per_token + kv_gather + scores + logits
@@ -332,7 +339,9 @@ class ModelRunner:
             if self.cuda_graphs is not None:
                 return self._execute_cuda_graph(plan, states, decodes, failed)
             if self._graph_ready():
-                return self._execute_graph(plan, states, decodes, failed)
+                result = self._execute_graph(plan, states, decodes, failed)
+                if result is not None:
+                    return result  # else the graph failed and is dropped: this step runs eagerly
 
         ids: list[int] = []
         row_of_last: dict[int, int] = {}  # plan index -> row of its last token in the batch
@@ -421,19 +430,17 @@ class ModelRunner:
         g = self.graph
         if g is None or not g.done.is_set():
             return False
-        if g.failed is not None:  # stay eager for good, with the weights packed as eager wants them
+        if g.failed is not None:  # stay eager for good
             self.graph = None
-            self.memory.release(f"{self.memory_owner}.graph")
-            if onednn_packing_available(self.device, self.dtype):
-                self.model.pack_linears(self.batch_hint)
             return False
         return True
 
     def _execute_graph(self, plan: StepPlan, states, decodes: list[int], failed: dict[str, str]) -> StepResult:
-        """A decode-only step through the captured graph. It takes at least two rows and two
-        table columns (sizes 0 and 1 are specialised by torch): a lone sequence gets a padding
-        row, which writes its K/V into the last slot of the pad block and is never sampled.
-        That leaves finite values in the pad block, which is all masking needs of it."""
+        """A decode-only step through the captured graph; None if the graph raised (it is then
+        dropped for good, and the caller runs the step eagerly: rewriting the same K/V slots is
+        harmless). The graph takes at least two rows and two table columns (sizes 0 and 1 are
+        specialised by torch): a lone sequence gets a padding row, whose K/V write is skipped
+        (slot -1) and which is never sampled."""
         bs, pad = self.block_size, self.pad_block
         ids, pos, slots, tables = self._decode_arrays(plan, states, decodes)
         n = len(decodes)
@@ -443,23 +450,32 @@ class ModelRunner:
         if b > n:
             ids.append(0)
             pos = np.append(pos, 0)
-            slots = np.append(slots, pad * bs + bs - 1)
+            slots = np.append(slots, -1)
         ctx = (pos + 1).astype(np.int32)
         dev = self.device
         # Inputs made outside inference mode: the graph writes the cache in place, which
         # torch refuses to do beside inference tensors ("Cannot set version_counter").
         with torch.inference_mode(False), torch.no_grad():
             ctx_t = torch.from_numpy(ctx)
-            logits = self.graph(
-                torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.from_numpy(pos).to(dev),
-                self.kv_cache,
-                torch.from_numpy(slots).to(dev),
-                torch.from_numpy(table).to(dev),
-                ctx_t.to(dev),
-                decode_mask(ctx_t, m * bs, self.dtype).to(dev),
-            )
+            try:
+                logits = self._run_graph(
+                    torch.tensor(ids, dtype=torch.long, device=dev),
+                    torch.from_numpy(pos).to(dev),
+                    self.kv_cache,
+                    torch.from_numpy(slots).to(dev),
+                    torch.from_numpy(table).to(dev),
+                    ctx_t.to(dev),
+                    decode_mask(ctx_t, m * bs, self.dtype).to(dev),
+                )
+            except Exception as exc:  # noqa: BLE001 - the graph's failure must not fail the step
+                log.warning("the captured decode step failed, staying eager: %s: %s", type(exc).__name__, exc)
+                self.graph.failed = f"{type(exc).__name__}: {exc}"
+                self.graph = None
+                return None
         return self._sample_decodes(plan, states, decodes, logits, failed)
+
+    def _run_graph(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.graph(*inputs)
 
     def _decode_arrays(self, plan: StepPlan, states, decodes: list[int]):
         """(token ids, positions, slots, block tables) of the decode rows, host-side."""

@@ -20,8 +20,10 @@ so the result is exact either way. Tokens tied with the threshold stay in.
 
 A seeded row draws its noise from its own generator, re-seeded from (seed, output index) for
 every token, so its tokens are the same whatever else shares the batch (and in whatever row),
-and even when a preemption replays the request. Unseeded rows share one draw from torch's
-default generator for the logits' device.
+and even when a preemption replays the request. Unseeded rows share one draw from the
+sampler's own generator, seeded once from the OS: never torch's global one, which other work in
+the process may save and restore (torch.compile does, around every compile, so a compile on
+another thread would replay draws already used).
 
 Host syncs: none on the common paths. Per-row parameters go to the device in pinned,
 non-blocking copies. The one that remains is the top-p fallback check (`bool(short.any())`),
@@ -36,6 +38,7 @@ so they add no host sync and no Python loop over tokens.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -177,6 +180,7 @@ class PenaltyState:
 class Sampler:
     def __init__(self, vocab_size: int = 0, device: torch.device | str = "cpu") -> None:
         self._generators: dict[torch.device, torch.Generator] = {}  # seeded rows, per device
+        self._unseeded: dict[torch.device, torch.Generator] = {}  # unseeded rows, per device
         self.penalties = PenaltyState(vocab_size, device)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -191,6 +195,13 @@ class Sampler:
         if pen_rows is not None:
             self.penalties.record(pen_slots, tokens[pen_rows])
         return tokens
+
+    def _unseeded_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._unseeded.get(device)
+        if gen is None:
+            gen = self._unseeded[device] = torch.Generator(device=device)
+            gen.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        return gen
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -242,7 +253,8 @@ class Sampler:
         # then log_ costs a sixth of exponential_.)
         noise = torch.empty_like(probs)
         if any(s is None for s in seeds):
-            noise.uniform_(_TINY, 1.0)  # every unseeded row in one draw (seeded rows are overwritten)
+            # Every unseeded row in one draw (seeded rows are overwritten below).
+            noise.uniform_(_TINY, 1.0, generator=self._unseeded_generator(dev))
         for i, seed in enumerate(seeds):  # one small draw per seeded row, from its own seed
             if seed is not None:
                 gen = self._generator(dev)
