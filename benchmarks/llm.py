@@ -132,6 +132,12 @@ def add_bench_arguments(p) -> None:
     p.add_argument(
         "--llamacpp-args", default="", help="more llama-server flags, one string (e.g. '--poll 0'); in the report"
     )
+    p.add_argument(
+        "--tandem-budget",
+        type=int,
+        default=None,
+        help="Tandem's max_num_batched_tokens, the prefill chunk and step budget (default: the engine's, 256 on CPU)",
+    )
     p.add_argument("--with-hf", action="store_true", help="add Hugging Face generate in static batches (slow)")
     p.add_argument("--no-floor", action="store_true", help="skip the step-against-its-floor measurement")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one contestant process may run")
@@ -429,6 +435,8 @@ def _child_command(contestant: str, args, dtype: str, traces_file: Path, result:
     ]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--floor"] if contestant == CONTINUOUS and not args.no_floor else []
+    if args.tandem_budget and contestant in (CONTINUOUS, STATIC):
+        cmd += ["--max-num-batched-tokens", str(args.tandem_budget)]
     return cmd
 
 

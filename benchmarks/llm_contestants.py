@@ -126,6 +126,7 @@ def _tandem(args, data: dict) -> dict:
         dtype=args.dtype,
         device="cpu",
         max_num_seqs=args.slots,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         scheduler=scheduler,
         max_model_len=args.max_model_len,
         enable_prefix_caching=False,
@@ -231,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result", required=True)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], required=True)
     p.add_argument("--slots", type=int, required=True)
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="Tandem's step budget (default: the engine's)"
+    )
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--model", default=None)
