@@ -31,7 +31,17 @@ def eager_tokens(tiny_llama_dir):
     return _tokens(llm, PROMPTS), _tokens(llm, PROMPTS[:1])
 
 
-def test_compiled_greedy_tokens_equal_eager_in_float32(tiny_llama_dir, eager_tokens, tmp_path):
+@pytest.fixture
+def one_thread():
+    """This thread at one torch thread, as a vision engine in the same process may leave it; a
+    new thread starts at OpenMP's default instead, which a compile thread must not inherit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_compiled_greedy_tokens_equal_eager_in_float32(tiny_llama_dir, eager_tokens, tmp_path, one_thread):
     llm = LLM(model=tiny_llama_dir, dtype="float32", device="cpu", enforce_eager=False, cache_dir=str(tmp_path))
     graph = llm.engine.runner.graph
     assert isinstance(graph, CompiledDecode)

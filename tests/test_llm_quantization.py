@@ -50,6 +50,8 @@ def test_every_engine_flag_reaches_the_engine_config():
     args = p.parse_args(["--quantization", "int4", "--dtype", "bfloat16", "--kv-cache-bytes", "4096"])
     options = engine_options(args)
     assert options["quantization"] == "int4" and options["kv_cache_bytes"] == 4096
+    assert "enforce_eager" not in options  # unset: the config's default (and TANDEM_ENFORCE_EAGER) decide
+    assert engine_options(p.parse_args(["--no-enforce-eager"]))["enforce_eager"] is False
     EngineConfig(**options)  # every option is a field of the config
 
 

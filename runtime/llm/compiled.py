@@ -70,6 +70,7 @@ class CompiledDecode:
         self.compile_seconds: float | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._threads = torch.get_num_threads()
 
     def close(self) -> None:
         """The runner let go (release_memory): a compile still running cannot be stopped, but it
@@ -79,6 +80,10 @@ class CompiledDecode:
     def start(self, background: bool = True) -> None:
         """Compile at a warm-up call on dummy inputs: on a daemon thread, or here and now."""
         _use_cache_dir(inductor_cache_dir(self.cache_dir))
+        # torch's thread count is per thread (OpenMP's), and dynamo guards on it: the warm-up
+        # thread takes the starting thread's, and __call__ runs at it, or every call would miss
+        # the guard and recompile on the engine's thread.
+        self._threads = torch.get_num_threads()
         if background:
             self._thread = threading.Thread(target=self._warm_up, name="tandem-compile", daemon=True)
             self._thread.start()
@@ -104,6 +109,7 @@ class CompiledDecode:
     def _warm_up(self) -> None:
         t0 = time.perf_counter()
         try:
+            torch.set_num_threads(self._threads)
             with torch.no_grad():
                 logits = self(*self._dummy_inputs())
             if not bool(torch.isfinite(logits).all()):
@@ -131,6 +137,8 @@ class CompiledDecode:
         mask: torch.Tensor,
     ) -> torch.Tensor:
         """LlamaModel.forward_decode's contract (B >= 2 rows, M >= 2 table columns)."""
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
         for t in (input_ids, positions, slot_mapping, block_tables, context_lens, mask):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(block_tables, 1)

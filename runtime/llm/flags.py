@@ -16,6 +16,7 @@ ENGINE_FIELDS = (
     "max_model_len",
     "kv_cache_bytes",
     "quantization",
+    "enforce_eager",
 )
 
 
@@ -46,6 +47,13 @@ def add_engine_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
         default=None,
         choices=["int4"],
         help="int4: the layers' weights held at 4 bits (CPU, bfloat16); off by default (BENCHMARKS.md)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="eager steps only (the default); --no-enforce-eager: decode steps run a captured graph once it "
+        "compiles, in the background (CPU: torch.compile; CUDA: CUDA graphs); BENCHMARKS.md",
     )
 
 
