@@ -107,4 +107,3 @@ def step_vs_floor(engine, num_seqs: int = 16, context_len: int = 128, repeats: i
         "ratio": step_ms / floor_ms,
         "num_linear_layers": len(linears),
     }
-
