@@ -63,7 +63,7 @@ class EngineConfig:
     policy: str = "fcfs"
     enable_prefix_caching: bool = True
     static_max_queue_delay_ms: float = 0.0
-    cache_dir: str | None = None  # where converted GGUF models are kept
+    cache_dir: str | None = None  # converted GGUF models, and the captured step's inductor cache
     # None: weights in `dtype`. "int4": the decoder layers' weights held at 4 bits (groups of
     # 32, as GGUF's Q4_1), read by torch's CPU int4 kernel; CPU and bfloat16 only. Off by
     # default: see BENCHMARKS.md for its speed and quality figures.

@@ -7,10 +7,11 @@ reads its decodes' tables, positions and slots with a few vectorized ops and han
 torch without copying. It runs the model once, samples all rows at once, and syncs with the
 host once, in the final `.tolist()`.
 
-Attention runs on the torch path (kernels/paged_attention.py) on CPU and on the Triton
-kernels (kernels/triton_attention.py) on CUDA; the metadata each needs differs a little
-(an additive mask and int64 tables, or int32 tables, context lengths and one varlen batch of
-prefill chunks).
+Attention runs, on CPU, on the C++ kernel that reads the blocks in place
+(kernels/cpu_attention.py, "cpp", where it builds) or the torch reference
+(kernels/paged_attention.py, "torch"), and on the Triton kernels (kernels/triton_attention.py)
+on CUDA. The torch path takes an additive mask and int64 tables; the C++ and Triton kernels
+take int32 tables, context lengths and one varlen batch of prefill chunks.
 
 Decode rows (one scheduled token) go first in the flattened batch so that attention can
 serve them all with one batched call; prefill chunks follow, one attention call each.
