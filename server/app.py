@@ -8,6 +8,9 @@ metrics, over a backend (backends.py). It only translates: requests are checked 
     POST /v1/detect                                 an uploaded image, or {"url"} / {"path"}  routes/detect.py
     GET  /health    GET /metrics                                                          routes/health.py
 
+With an API key (`--api-key`, TANDEM_API_KEY), every endpoint but /health wants it as a Bearer
+token (server/common.py require_api_key).
+
 A client that goes away cancels its work: a stream's generator is closed by the server when
 the client disconnects; a plain request's wait races a disconnect watch (server/common.py).
 """
@@ -17,11 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from server import protocol
-from server.common import ClientGone, ServeConfig, ServerContext, log
+from server.common import ClientGone, ServeConfig, ServerContext, log, require_api_key
 from server.protocol import APIError
 from server.routes import completions, detect, health, jobs
 
@@ -42,8 +45,9 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
     app.state.backend = backend
     app.state.tandem = ctx
     _add_error_handlers(app)
-    for group in (completions, jobs, detect, health):
-        app.include_router(group.router)
+    for group in (completions, jobs, detect):
+        app.include_router(group.router, dependencies=[Depends(require_api_key)])
+    app.include_router(health.router)  # /health answers anyone; /metrics checks the key itself
     return app
 
 

@@ -32,6 +32,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get 413")
     p.add_argument("--allowed-url-prefixes", default=None, help="comma-separated URL prefixes /v1/detect may fetch")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send 'Authorization: Bearer KEY' on every endpoint but /health (default: $TANDEM_API_KEY; "
+        "none: no check)",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     add_runtime_arguments(p)  # the Runtime's flags, used with --embedded
 
@@ -45,6 +51,15 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    api_key(args)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $TANDEM_API_KEY; None (no check) when neither is set."""
+    key = args.api_key if args.api_key is not None else os.environ.get("TANDEM_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("--api-key (or TANDEM_API_KEY) must not be empty")
+    return key.strip() if key is not None else None
 
 
 def build_backend(args: argparse.Namespace):
@@ -87,6 +102,7 @@ def run_serve(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
         served_model_name=args.served_model_name,
+        api_key=api_key(args),
     )
     app = create_app(backend, config)
     # Bind first, so that --port 0 can say which port it got before serving.

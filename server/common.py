@@ -5,6 +5,7 @@ helpers that bound a wait by a deadline and by the client still being there."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -25,6 +26,8 @@ class ServeConfig:
     request_timeout_s: float = 600.0  # a request still unanswered then gets 504 and its job is cancelled
     max_body_bytes: int = 32 << 20  # bigger bodies get 413
     served_model_name: str | None = None  # the name to answer to (default: what the workers serve)
+    # When set, every endpoint but /health wants "Authorization: Bearer <api_key>" (vLLM's --api-key).
+    api_key: str | None = None
 
 
 class ClientGone(Exception):
@@ -120,3 +123,20 @@ async def within(awaitable: Awaitable, deadline: float, request: Request):
     finally:
         if not task.done():
             task.cancel()
+
+
+def require_api_key(request: Request) -> None:
+    """The API key check, a dependency of every router but /health's. Compared in constant
+    time (hmac.compare_digest), so the answer's timing says nothing of how much of a guess
+    was right; a missing or wrong key is 401 in OpenAI's shape, with the same message."""
+    key = context(request).config.api_key
+    if key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise APIError(
+            401,
+            "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            type_="invalid_request_error",
+            headers={"WWW-Authenticate": "Bearer"},
+        )

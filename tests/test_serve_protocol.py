@@ -206,3 +206,57 @@ def test_an_unreachable_redis_is_503_with_retry_after_not_a_crash():
             assert resp.status_code == 503 and resp.headers["retry-after"], (path, resp.text)
             assert "Redis" in resp.json()["error"]["message"]
         assert client.get("/health").status_code == 503
+
+
+def test_an_api_key_guards_every_endpoint_but_health():
+    """With a key, a request without it or with a wrong one is 401 in OpenAI's shape and never
+    reaches the backend (here a Redis nothing listens on: a request that got past the check
+    would be 503); the right key passes; /health answers without one."""
+    import socket
+
+    from fastapi.testclient import TestClient
+
+    from server.app import ServeConfig, create_app
+    from server.backends import JobsBackend
+    from workers.settings import JobSettings
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = JobsBackend(JobSettings(redis_url=f"redis://127.0.0.1:{port}/0", reconnect_s=0))
+    endpoints = (
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/completions", {"prompt": "hi"}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("POST", "/v1/jobs", {"prompt": "hi"}),
+        ("GET", "/v1/jobs/abc", None),
+        ("DELETE", "/v1/jobs/abc", None),
+        ("POST", "/v1/detect", {"url": "http://127.0.0.1/x.jpg"}),
+        ("GET", "/metrics", None),
+    )
+    with TestClient(create_app(backend, ServeConfig(api_key="s3cret"))) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}, {"X-Api-Key": "s3cret"}):
+            for method, path, body in endpoints:
+                resp = client.request(method, path, json=body, headers=headers)
+                assert resp.status_code == 401, (path, headers, resp.text)
+                assert resp.headers["www-authenticate"] == "Bearer"
+                err = resp.json()["error"]
+                assert err["type"] == "invalid_request_error" and "API key" in err["message"]
+        for method, path, body in endpoints[:5]:
+            resp = client.request(method, path, json=body, headers={"Authorization": "Bearer s3cret"})
+            assert resp.status_code == 503, (path, resp.text)  # past the check, at the (absent) Redis
+        assert client.get("/health").status_code == 503  # no key needed: unhealthy, not unauthorized
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
+    import argparse
+
+    from server.cli import api_key
+
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    assert api_key(argparse.Namespace(api_key=None)) is None
+    monkeypatch.setenv("TANDEM_API_KEY", "from-env")
+    assert api_key(argparse.Namespace(api_key=None)) == "from-env"
+    assert api_key(argparse.Namespace(api_key="from-flag")) == "from-flag"
+    with pytest.raises(ValueError, match="--api-key"):
+        api_key(argparse.Namespace(api_key=" "))

@@ -3,10 +3,10 @@ fleet's Prometheus text)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.common import context
+from server.common import context, require_api_key
 
 router = APIRouter()
 
@@ -21,7 +21,7 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok", "mode": backend.mode, **info})
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(require_api_key)])
 async def metrics(request: Request) -> Response:
     from runtime.metrics import render
 
