@@ -260,3 +260,26 @@ def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
     assert api_key(argparse.Namespace(api_key="from-flag")) == "from-flag"
     with pytest.raises(ValueError, match="--api-key"):
         api_key(argparse.Namespace(api_key=" "))
+
+
+@pytest.mark.parametrize("field", ["conf", "iou", "imgsz"])
+def test_detect_refuses_a_field_it_would_ignore_naming_it(field):
+    """/v1/detect takes url, path or image; any other field (conf, say) is a 400 naming it,
+    before the backend is reached (here a Redis nothing listens on: past the check, 503)."""
+    import socket
+
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.backends import JobsBackend
+    from workers.settings import JobSettings
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = JobsBackend(JobSettings(redis_url=f"redis://127.0.0.1:{port}/0", reconnect_s=0))
+    with TestClient(create_app(backend)) as client:
+        resp = client.post("/v1/detect", json={"url": "http://127.0.0.1/x.jpg", field: 0.5})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == field
+        assert client.post("/v1/detect", json={"url": "http://127.0.0.1/x.jpg"}).status_code != 400

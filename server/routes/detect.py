@@ -11,6 +11,7 @@ from server.common import context, within
 from server.protocol import APIError
 
 router = APIRouter()
+DETECT_FIELDS = frozenset({"url", "path", "image"})
 
 
 @router.post("/v1/detect")
@@ -35,6 +36,14 @@ async def detect(request: Request) -> dict:
         kind, value = "image", data
     elif ctype.startswith("application/json"):
         body = await ctx.read_json(request)
+        unknown = sorted(set(body) - DETECT_FIELDS) if isinstance(body, dict) else []
+        if unknown:  # a field taken and ignored would be worse than a refusal
+            raise APIError(
+                400,
+                f"{unknown[0]}: /v1/detect takes only {', '.join(sorted(DETECT_FIELDS))} (per-request options such "
+                f"as conf are not supported; the server's vision flags set them)",
+                unknown[0],
+            )
         given = [k for k in ("url", "path", "image") if isinstance(body, dict) and body.get(k) is not None]
         if len(given) != 1:
             raise APIError(400, "give exactly one of url, path or image (base64), or upload a file", "body")
