@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from server import protocol
 from server.common import ClientGone, ServeConfig, ServerContext, log, require_api_key
 from server.protocol import APIError
-from server.routes import completions, detect, health, jobs
+from server.routes import completions, detect, health, jobs, models
 
 __all__ = ["ServeConfig", "create_app"]
 
@@ -45,7 +45,7 @@ def create_app(backend, config: ServeConfig | None = None) -> FastAPI:
     app.state.backend = backend
     app.state.tandem = ctx
     _add_error_handlers(app)
-    for group in (completions, jobs, detect):
+    for group in (models, completions, jobs, detect):
         app.include_router(group.router, dependencies=[Depends(require_api_key)])
     app.include_router(health.router)  # /health answers anyone; /metrics checks the key itself
     return app

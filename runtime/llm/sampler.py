@@ -48,9 +48,22 @@ _CANDIDATES = 256  # top-p candidates taken per row before falling back to a ful
 _TINY = torch.finfo(torch.float32).tiny  # lower bound of the race's uniforms: log(U) stays finite
 
 
+_SEED_MUL = 0x9E3779B97F4A7C15
+_INDEX_MUL = 0xBF58476D1CE4E5B9
+
+
 def row_seed(seed: int, output_index: int) -> int:
     """The generator seed for a seeded request's `output_index`-th sampled token."""
-    return (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9 + 1) & _MASK63
+    return (seed * _SEED_MUL + output_index * _INDEX_MUL + 1) & _MASK63
+
+
+def resumed_seed(seed: int, tokens_done: int) -> int:
+    """The seed under which a request's k-th token draws what `seed`'s (tokens_done + k)-th
+    would: a job resumed after `tokens_done` tokens (its worker died) continues the same random
+    stream, so a seeded job's tokens do not depend on a restart. row_seed is affine in the seed
+    and the multiplier is odd, so it has an inverse modulo 2**63."""
+    inverse = pow(_SEED_MUL, -1, 1 << 63)
+    return (seed + tokens_done * _INDEX_MUL * inverse) & _MASK63
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
