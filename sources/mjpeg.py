@@ -10,6 +10,7 @@ JPEG header before it is decoded: one over `max_pixels` raises ImageTooLarge, de
 from __future__ import annotations
 
 import http.client
+import socket
 import ssl
 import urllib.parse
 from collections.abc import Iterator
@@ -34,13 +35,19 @@ def _boundary(content_type: str) -> bytes | None:
 
 
 def iter_mjpeg(
-    url: str, open_timeout_s: float, read_timeout_s: float, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    url: str,
+    open_timeout_s: float,
+    read_timeout_s: float,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    address: str | None = None,
 ) -> Iterator[np.ndarray]:
     """Decoded BGR frames from an MJPEG HTTP stream until it ends; raises on any failure, and
     ImageTooLarge (a ValueError naming the limit) for a part whose header is over `max_pixels`.
 
     Raises NotMjpeg when the resource is not multipart (e.g. an HLS playlist or an MP4 file
-    served over HTTP) so the caller can hand the URL to FFmpeg instead.
+    served over HTTP) so the caller can hand the URL to FFmpeg instead. `address`: the IP to
+    connect to (one workers.urlguard checked) instead of resolving the host again; the host
+    still goes into Host and, for https, into SNI and the certificate check.
     """
     parts = urllib.parse.urlsplit(url)
     if parts.scheme == "https":
@@ -49,6 +56,8 @@ def iter_mjpeg(
         )
     else:
         conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=open_timeout_s)
+    if address is not None:  # http.client dials through this hook; TLS wraps what it returns
+        conn._create_connection = lambda addr, *args: socket.create_connection((address, addr[1]), *args)
     try:
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         conn.request("GET", path, headers={"Accept": "multipart/x-mixed-replace, image/jpeg"})

@@ -78,9 +78,19 @@ class StreamReader:
     """
 
     def __init__(
-        self, stream: int, url: str, config: StreamConfig, cond: threading.Condition, on_error: Callable[[Frame], None]
+        self,
+        stream: int,
+        url: str,
+        config: StreamConfig,
+        cond: threading.Condition,
+        on_error: Callable[[Frame], None],
+        dial: Callable[[str], tuple[str, str]] | None = None,
     ) -> None:
         self.stream, self.url, self.config = stream, url, config
+        # `dial` (a URL a remote caller gave): called at every (re)connect, it checks the URL
+        # again (raising ValueError when refused) and answers (the URL FFmpeg opens, with the
+        # checked address in place of the host; that address, which the MJPEG client dials).
+        self.dial = dial
         self._cond = cond
         self._on_error = on_error
         self._frames: deque[Frame] = deque(maxlen=max(1, config.buffer))
@@ -187,16 +197,31 @@ class StreamReader:
 
     def _open(self) -> Iterator[np.ndarray]:
         url = self.url
+        if self.dial is not None:
+            return self._dialled(url)
         if url.lower().startswith(("http://", "https://")):
             return self._http(url)
         return self._capture(int(url) if url.isdigit() else url, pace="://" not in url and not url.isdigit())
 
-    def _http(self, url: str) -> Iterator[np.ndarray]:
+    def _dialled(self, url: str) -> Iterator[np.ndarray]:
+        pinned, address = self.dial(url)  # in the generator: a refusal is a failure like any other
+        if url.lower().startswith(("http://", "https://")):
+            yield from self._http(url, address)
+        else:
+            yield from self._capture(pinned, pace=False)
+
+    def _http(self, url: str, address: str | None = None) -> Iterator[np.ndarray]:
+        c = self.config
         try:
-            yield from iter_mjpeg(
-                url, self.config.open_timeout_s, self.config.read_timeout_s, self.config.max_image_pixels
-            )
-        except NotMjpeg:
+            yield from iter_mjpeg(url, c.open_timeout_s, c.read_timeout_s, c.max_image_pixels, address=address)
+        except NotMjpeg as exc:
+            if address is not None:
+                # FFmpeg follows HTTP redirects and HLS playlists by itself, to hosts nobody
+                # checked: a guarded (remotely added) http camera must be MJPEG.
+                raise ConnectionError(
+                    f"{exc}; only MJPEG is read from http(s) cameras added remotely (FFmpeg would "
+                    "follow redirects and playlists past the URL guard): use rtsp, or list it in the .streams file"
+                ) from None
             yield from self._capture(url, pace=False)  # e.g. HLS or MP4 over HTTP: FFmpeg reads it
 
     def _capture(self, target: int | str, pace: bool) -> Iterator[np.ndarray]:

@@ -521,12 +521,14 @@ class Lines:
 
 
 def test_the_camera_service_refuses_a_bomb_frame_at_its_runtimes_limit(jpeg_bomb):
-    from workers.cameras import CameraService
+    from workers.cameras import CameraService, camera_policy
 
     rt = FakeRuntime(VisionConfig(max_image_pixels=640 * 480))
     lines = Lines()
     with camera([jpeg_bytes(small_image()), jpeg_bomb]) as url, PeakGrowth() as peak:
-        with CameraService(rt, None, jsonl=lines) as service:
+        with CameraService(
+            rt, None, jsonl=lines, url_policy=camera_policy(allowed_networks=("127.0.0.1/32",))
+        ) as service:
             assert service.stream_config.max_image_pixels == 640 * 480  # the Runtime's, not a second knob
             service.add("door", url)
             records = lines.wait(lambda rs: any(r["error"] for r in rs))
@@ -641,8 +643,10 @@ def _host(rt: FakeRuntime, url_prefix: str = "http://127.0.0.1/") -> SimpleNames
 JOB = SimpleNamespace(job_id="job-1", attach=lambda work: None, fenced=False, submitted_at=0.0)
 
 
-def test_the_worker_job_refuses_a_bomb_upload_and_url_before_decoding(png_bomb, bomb_url):
+def test_the_worker_job_refuses_a_bomb_upload_and_url_before_decoding(png_bomb, bomb_url, monkeypatch):
     from workers.jobs import detect_body
+
+    monkeypatch.setenv("TANDEM_ALLOWED_URL_NETWORKS", "127.0.0.1/32")  # the bomb is served on loopback
 
     rt = FakeRuntime()
     host = _host(rt, bomb_url.rsplit("/", 1)[0] + "/")

@@ -22,11 +22,12 @@ from test_jobs_support import REPO, RedisServer, wait_for
 from runtime import metrics
 from sources.loopback import MjpegServer, dead_url, synthetic_frames
 from sources.stream_reader import StreamConfig
-from workers.cameras import CONTROL_KEY, STREAM_KEY, CameraService
+from workers.cameras import CONTROL_KEY, STREAM_KEY, CameraError, CameraService, camera_policy
 from workers.cameras_http import create_app, main
 from workers.store import connect
 
 SAFETY_S = 30
+LOOPBACK = ("127.0.0.1/32",)
 NODE_ENTRIES = 8  # stream-node-max-entries of the test Redis: how far `MAXLEN ~` may overshoot
 BATCHING = {"max_batch_size": 4, "max_queue_delay_ms": 5.0}
 VISION = {"model": "yolo26n.yaml", "imgsz": 160, "conf": 0.0, "max_det": 3, "profile": False, "batching": BATCHING}
@@ -74,7 +75,9 @@ def make_service(runtime):
     services = []
 
     def make(redis_client, **kw) -> CameraService:
-        kw = {"stream_config": FAST, "publish_interval_s": 0.2, **kw}
+        # The loopback cameras are private addresses, which the URL guard refuses unless allowed.
+        policy = camera_policy(kw.pop("allowed_url_prefixes", ()), allowed_networks=kw.pop("networks", LOOPBACK))
+        kw = {"stream_config": FAST, "publish_interval_s": 0.2, "url_policy": policy, **kw}
         services.append(CameraService(runtime, redis_client, **kw))
         return services[-1]
 
@@ -257,7 +260,7 @@ BAD_BODIES = [
 def test_bad_input_over_http_is_refused_naming_the_field(r, make_service, cams):
     from fastapi.testclient import TestClient
 
-    service = make_service(r, max_cameras=2)
+    service = make_service(r, max_cameras=2, networks=(*LOOPBACK, "10.0.0.0/8"))
     client = TestClient(create_app(service))
     for body, field in BAD_BODIES:
         body = {k: cams["a"] if v == "CAM" else v for k, v in body.items()}
@@ -289,6 +292,41 @@ def test_remote_cameras_must_start_with_an_allowed_prefix_when_prefixes_are_set(
     assert client.post("/cameras", json={"camera": "ok", "url": cams["a"]}).status_code == 201
 
 
+def test_remote_cameras_pass_the_url_guard_when_added_and_at_every_connect(r, make_service, cams):
+    service = make_service(r, networks=())  # the default: public addresses only
+    for url, kind in (
+        (cams["a"], "loopback"),
+        ("rtsp://admin:hunter2@10.0.0.7:1/x", "private"),
+        ("http://169.254.169.254/latest/meta-data/", "metadata"),
+        ("rtsp://2130706433/x", "non-canonical"),
+    ):
+        with pytest.raises(CameraError) as exc:
+            service.add("c", url)
+        assert exc.value.field == "url" and kind in str(exc.value) and "hunter2" not in str(exc.value)
+    assert service.cameras() == []
+    # A name the guard resolves (only the injected resolver knows it): the reader dials the
+    # checked address; when the name later answers with a refused one, the reconnect is refused.
+    answers = {"cam.test": ["127.0.0.1"]}
+    policy = camera_policy(allowed_networks=LOOPBACK, resolver=lambda host, port: answers[host])
+    named = make_service(r, url_policy=policy)
+    url = cams["a"].replace("127.0.0.1", "cam.test")
+    named.add("named", url)
+    wait_for(lambda: _row(named, "named")["frames"] >= 3, SAFETY_S, "frames of a camera dialled at its checked address")
+    # A name that answers loopback to add()'s check and a private address after (rebinding):
+    # the reader's own check at connect refuses it, and the camera shows down, naming why.
+    calls = []
+
+    def rebinding_resolver(host: str, port: int) -> list[str]:
+        calls.append(host)
+        return ["127.0.0.1"] if len(calls) == 1 else ["10.0.0.9"]
+
+    rebinding = camera_policy(allowed_networks=LOOPBACK, resolver=rebinding_resolver)
+    moved = make_service(r, url_policy=rebinding)
+    moved.add("moved", url)
+    wait_for(lambda: "10.0.0.9, a private address" in (_row(moved, "moved")["last_error"] or ""), SAFETY_S, "refusal")
+    assert _row(moved, "moved")["frames"] == 0 and _row(moved, "moved")["up"] == 0
+
+
 def test_cameras_are_added_and_removed_through_the_redis_control_list(r, make_service, cams):
     service = make_service(r, instance="svc-ctl")
     key = CONTROL_KEY + "svc-ctl"
@@ -318,7 +356,8 @@ def test_a_runtime_that_refuses_frames_fails_the_health_check(r, cams):
     from runtime.runtime import Runtime
 
     rt = Runtime(vision={**VISION, "imgsz": 64, "jit": False}, profile=False)
-    service = CameraService(rt, r, stream_config=FAST, publish_interval_s=0.2)
+    policy = camera_policy(allowed_networks=LOOPBACK)
+    service = CameraService(rt, r, stream_config=FAST, publish_interval_s=0.2, url_policy=policy)
     try:
         service.add("a", cams["a"])
         wait_for(lambda: _row(service, "a")["frames"] >= 1, SAFETY_S, "a first frame")

@@ -49,6 +49,7 @@ from typing import IO, Any
 from runtime.vision.records import detection_record
 from sources.base import Frame, is_stream_url
 from sources.stream_reader import StreamConfig, StreamReader
+from workers.urlguard import CAMERA_SCHEMES, UrlPolicy, check_url
 
 log = logging.getLogger("tandem.cameras")
 
@@ -134,6 +135,29 @@ def check_stream_url(url: object) -> str:
     if not parts.hostname:
         raise CameraError("url", f"url has no host: {redact(url)!r}")
     return url
+
+
+def camera_policy(prefixes: tuple[str, ...] = (), env=None, **overrides) -> UrlPolicy:
+    """The URL guard for cameras a remote caller adds: the stream schemes, any host unless
+    `prefixes`, user:password@ allowed (RTSP cameras take credentials only there), and
+    TANDEM_ALLOW_PRIVATE_URLS / TANDEM_ALLOWED_URL_NETWORKS from `env` (None: none read; the
+    CLI passes os.environ). Cameras on a LAN need one of those: private addresses are refused."""
+    prefixes = tuple(p.strip() for p in prefixes if p and p.strip())
+    kw = {"schemes": CAMERA_SCHEMES, "prefixes": prefixes, "any_host": not prefixes, "allow_userinfo": True}
+    if env is None:
+        return UrlPolicy(**{**kw, **overrides})
+    return UrlPolicy.from_env(env, **kw, **overrides)
+
+
+def _dial(policy: UrlPolicy, url: str) -> tuple[str, str]:
+    """What a camera's reader connects to, checked again at every (re)connect, so a name that
+    moves to a refused address is refused then (and the camera shows down, naming why).
+
+    FFmpeg opens the URL with the checked IP in place of the name, so it does not resolve the
+    name again. What stays outside the guard: the RTSP server's own redirects, which FFmpeg
+    follows; rtsps:// then has no SNI (FFmpeg does not verify certificates by default anyway)."""
+    checked = check_url(url, policy)
+    return checked.pinned(), checked.addresses[0]
 
 
 def redact(text: str | None) -> str | None:
@@ -225,6 +249,7 @@ class CameraService:
         publish_interval_s: float = 2.0,
         control: bool = True,
         allowed_url_prefixes: tuple[str, ...] = (),
+        url_policy: UrlPolicy | None = None,
     ) -> None:
         for name, value in (("maxlen", maxlen), ("max_in_flight", max_in_flight), ("max_cameras", max_cameras)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -242,8 +267,11 @@ class CameraService:
             limit = getattr(vision_config, "max_image_pixels", None)
             stream_config = StreamConfig() if limit is None else StreamConfig(max_image_pixels=limit)
         self.stream_config = stream_config
-        # Cameras a remote caller adds must start with one of these (none: any network stream).
-        self.allowed_url_prefixes = tuple(p for p in allowed_url_prefixes if p)
+        # Cameras a remote caller adds pass this guard (workers/urlguard.py) when added and at
+        # every reconnect; the default: any public host (or under allowed_url_prefixes).
+        if url_policy is not None and any(allowed_url_prefixes):
+            raise ValueError("allowed_url_prefixes: give them in url_policy (camera_policy(prefixes)), not both")
+        self.url_policy = url_policy or camera_policy(allowed_url_prefixes)
         self.failure: str | None = None  # set when the Runtime refuses work for good (broken, closed)
         # Readers push under this condition; the dispatcher waits on it for any camera's frame.
         self._cond = threading.Condition()
@@ -279,8 +307,10 @@ class CameraService:
             url = url.strip()
         else:
             url = check_stream_url(url)
-            if self.allowed_url_prefixes and not any(url.startswith(p) for p in self.allowed_url_prefixes):
-                raise CameraError("url", f"url {redact(url)!r} is not under an allowed prefix (--allowed-url-prefixes)")
+            try:
+                check_url(url, self.url_policy)  # now, so the caller hears it; the reader checks again
+            except ValueError as exc:
+                raise CameraError("url", redact(str(exc))) from None
         cap = check_max_fps(max_fps)
         cap = self.max_fps if cap is None else cap
         with self._cond:
@@ -293,7 +323,8 @@ class CameraService:
             self._num_streams += 1
             cam = _Camera(camera_id, url, redact(url), 1.0 / cap if cap else 0.0, None, time.monotonic())
             down = partial(self._camera_down, cam)
-            cam.reader = StreamReader(self._num_streams, url, self.stream_config, self._cond, down)
+            dial = None if allow_local else partial(_dial, self.url_policy)  # a .streams file is the operator's
+            cam.reader = StreamReader(self._num_streams, url, self.stream_config, self._cond, down, dial)
             self._cameras[camera_id] = cam
             cam.reader.start()
             row = self._row(cam, time.monotonic())

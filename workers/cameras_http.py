@@ -154,8 +154,19 @@ def add_streams_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allowed-url-prefixes",
         default=None,
-        help="comma-separated URL prefixes cameras added over HTTP or Redis must start with "
-        "(default: any network stream)",
+        help="comma-separated URL prefixes cameras added over HTTP or Redis must start with (default: any public host)",
+    )
+    p.add_argument(
+        "--allow-private-urls",
+        action="store_true",
+        help="let remotely added cameras be on loopback, private, link-local or CGNAT addresses "
+        "(default: refused; also $TANDEM_ALLOW_PRIVATE_URLS=1)",
+    )
+    p.add_argument(
+        "--allowed-url-networks",
+        default=None,
+        help="comma-separated CIDRs remotely added cameras may be on even when private, e.g. 10.0.0.0/8 "
+        "(default: $TANDEM_ALLOWED_URL_NETWORKS)",
     )
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: at a signal)")
     g = p.add_argument_group("vision")
@@ -188,6 +199,23 @@ def _source_urls(source: str) -> list[str]:
     raise SourceError(f"source must be a .streams file, a stream URL, a webcam index or a video file, got {source!r}")
 
 
+def url_policy(args: argparse.Namespace, env=None):
+    """The URL guard of remotely added cameras, from the flags over the environment."""
+    from workers.cameras import camera_policy
+
+    overrides: dict = {}
+    if args.allow_private_urls:
+        overrides["allow_private"] = True
+    if args.allowed_url_networks is not None:
+        overrides["allowed_networks"] = tuple(n for n in args.allowed_url_networks.split(",") if n.strip())
+    prefixes = tuple((args.allowed_url_prefixes or "").split(","))
+    try:
+        return camera_policy(prefixes, os.environ if env is None else env, **overrides)
+    except ValueError as exc:
+        message = str(exc).replace("prefixes:", "--allowed-url-prefixes:", 1)
+        raise ValueError(message.replace("allowed_networks", "--allowed-url-networks", 1)) from None
+
+
 def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
     """(camera urls, Runtime vision config, Redis URL or None); ValueError names the flag."""
     from workers.cameras import check_instance, check_max_fps
@@ -206,6 +234,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
         raise ValueError(f"--duration must be > 0 seconds, got {args.duration}")
     if args.no_redis and args.jsonl is None:
         raise ValueError("--no-redis needs --jsonl: the detections must go somewhere")
+    url_policy(args)  # a bad prefix or network is a usage error before anything loads
     redis_url = None
     if not args.no_redis:
         redis_url = JobSettings.from_env(**({"redis_url": args.redis_url} if args.redis_url else {})).redis_url
@@ -297,7 +326,7 @@ def _serve(args, urls: list[str], vision: dict, redis_client, server: ControlSer
             jsonl=jsonl,
             instance=args.instance,
             max_cameras=args.max_cameras,
-            allowed_url_prefixes=tuple(u.strip() for u in (args.allowed_url_prefixes or "").split(",")),
+            url_policy=url_policy(args),
         )
         for i, url in enumerate(urls):
             service.add(f"cam{i}", url, allow_local=True)

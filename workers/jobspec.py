@@ -9,9 +9,9 @@ import binascii
 import dataclasses
 import os
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from runtime.llm.sampling_params import SamplingParams
+from workers.urlguard import UrlPolicy, parse_url
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 GENERATE_FIELDS = ("prompt", "messages", "priority", "deadline_s", *SAMPLING_FIELDS)
@@ -119,9 +119,7 @@ def allowed_path(path: str, roots: tuple[str, ...]) -> str:
 
 
 def allowed_url(url: str, prefixes: tuple[str, ...]) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc or "@" in parts.netloc:
-        raise ValueError(f"url must be a plain http(s) URL, got {url!r}")
-    if not any(url.startswith(p) for p in prefixes):
-        raise ValueError(f"url {url!r} is not under an allowed prefix (TANDEM_ALLOWED_URL_PREFIXES)")
-    return url
+    """`url` normalised (percent-decoded, dot segments removed) if it is a plain http(s) URL
+    under one of `prefixes`, else ValueError naming url. Only the text is checked here (no DNS):
+    workers.urlguard.fetch checks the addresses, where the connection is made."""
+    return parse_url(url, UrlPolicy(prefixes=prefixes)).url
