@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from runtime.llm.detokenizer import IncrementalDetokenizer
+from runtime.llm.detokenizer import IncrementalDetokenizer, PromptBound, TokenTexts
 from runtime.llm.outputs import RequestMetrics, RequestOutput
 from runtime.llm.sampling_params import SamplingParams
 from runtime.memory import DeviceMemoryManager, MemoryConfig
@@ -118,12 +118,24 @@ class PreparedRequest:
     priority: int
     arrival_time: float
     deadline: float | None = None  # monotonic seconds; past it, a still-queued request is rejected
+    max_tokens: int = 16  # params.max_tokens, or what the context leaves when that is None
 
 
 class _Tracked:
     """The engine's side of one request: what the scheduler does not need to know."""
 
-    __slots__ = ("req", "prompt", "params", "metrics", "detok", "sink", "error", "error_code", "num_sent")
+    __slots__ = (
+        "req",
+        "prompt",
+        "params",
+        "metrics",
+        "detok",
+        "sink",
+        "error",
+        "error_code",
+        "num_sent",
+        "logprobs",
+    )
 
     def __init__(self, req: Request, prompt: str | None, params: SamplingParams, metrics: RequestMetrics) -> None:
         self.req = req
@@ -135,6 +147,7 @@ class _Tracked:
         self.error: str | None = None
         self.error_code: str | None = None
         self.num_sent = 0  # output tokens already handed to the sink
+        self.logprobs: list[dict] | None = None if params.logprobs is None else []  # one per output token
 
 
 class LLMEngine:
@@ -154,6 +167,9 @@ class LLMEngine:
             )
         self.loaded = load_model(c.model, dtype=self.dtype, device=device, cache_dir=c.cache_dir)
         self.tokenizer = self.loaded.tokenizer
+        # Read on any thread (prepare); made once here, before any request.
+        self._prompt_bound = PromptBound.of(self.tokenizer) if self.tokenizer is not None else None
+        self._token_texts = TokenTexts(self.tokenizer) if self.tokenizer is not None else None
         model_max = getattr(self.loaded.config, "max_position_embeddings", 2048) or 2048
         self.max_model_len = c.max_model_len or min(model_max, 2048)
         if self.max_model_len > model_max:
@@ -205,6 +221,15 @@ class LLMEngine:
                 raise ValueError("prompt must be a non-empty string or a non-empty list of token ids, got ''")
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass a list of token ids")
+            # A prompt whose bytes alone prove it too long is refused before tokenizing: encoding
+            # megabytes only to count them past the limit would hold the tokenizer (and its lock).
+            bound = self._prompt_bound
+            if bound is not None and (least := bound.min_tokens(prompt)) >= self.max_model_len:
+                raise ValueError(
+                    f"prompt is too long: its {len(prompt.encode('utf-8', 'surrogatepass'))} bytes of UTF-8 make at "
+                    f"least {least} tokens (no token of this tokenizer covers more than {bound.longest} bytes), but "
+                    f"max_model_len is {self.max_model_len}: the prompt must be shorter than max_model_len"
+                )
             with self._tokenizer_lock:  # HF fast tokenizers are not safe to share across threads
                 return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) or []
         if not isinstance(prompt, (list, tuple)) or not prompt:
@@ -245,6 +270,9 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
+        if params.logprobs is not None and self.tokenizer is None:
+            raise ValueError("logprobs: token texts need a tokenizer; this model has none")
+        max_tokens = self._max_tokens(params, len(ids))
         # Token ids index [rows, vocab] tensors in the sampler: one out of range there would
         # fail the whole step, so it is refused here, on the caller's thread.
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -255,7 +283,24 @@ class LLMEngine:
         with self._ids_lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         now = time.monotonic()
-        return PreparedRequest(rid, text, ids, params, priority, now, None if deadline_s is None else now + deadline_s)
+        deadline = None if deadline_s is None else now + deadline_s
+        return PreparedRequest(rid, text, ids, params, priority, now, deadline, max_tokens)
+
+    def _max_tokens(self, params: SamplingParams, num_prompt: int) -> int:
+        """The request's output limit. An explicit max_tokens the context cannot hold is refused
+        (it used to be cut to fit without a word, and the request ended "length" early);
+        None takes what the context leaves, within what the whole KV pool can hold."""
+        room = self.max_model_len - num_prompt
+        why = f"(max_model_len {self.max_model_len} minus the prompt's {num_prompt} tokens)"
+        if params.max_tokens is not None:
+            if params.max_tokens > room:
+                raise ValueError(f"max_tokens must be at most {room} {why}, got {params.max_tokens}")
+            return params.max_tokens
+        pool = self.runner.kv_pool
+        room = max(1, min(room, pool.num_blocks * pool.block_size - num_prompt))
+        if params.min_tokens > room:
+            raise ValueError(f"min_tokens must be at most {room} {why}, got {params.min_tokens}")
+        return room
 
     def add_prepared(self, p: PreparedRequest, sink: Sink | None = None) -> str:
         """Queue a prepared request (on the engine's thread). With a sink, every step that
@@ -270,7 +315,7 @@ class LLMEngine:
         req = Request(
             rid,
             p.token_ids,
-            StopCriteria(params.max_tokens, params.min_tokens, frozenset(stop_ids)),
+            StopCriteria(p.max_tokens, params.min_tokens, frozenset(stop_ids)),
             priority=p.priority,
             arrival_time=p.arrival_time,
             sampling=params,
@@ -283,7 +328,12 @@ class LLMEngine:
             # One detokenizer gives both the stream and the final text. It runs every step only
             # where text must be seen as it comes (a sink, or stop strings); else once, at the end.
             t.detok = IncrementalDetokenizer(
-                self.tokenizer, p.token_ids, params.stop, params.skip_special_tokens, params.min_tokens
+                self.tokenizer,
+                p.token_ids,
+                params.stop,
+                params.skip_special_tokens,
+                params.min_tokens,
+                params.include_stop_str_in_output,
             )
         t.sink = sink
         self._tracked[rid] = t
@@ -376,12 +426,15 @@ class LLMEngine:
         now = time.monotonic()
         tracked = self._tracked
         streamed: list[_Tracked] = []
+        logprobs = result.logprobs
         for rid, tokens in zip(outs.req_ids, outs.new_token_ids):
             if not tokens:
                 continue
             t = tracked.get(rid)
             if t is None:
                 continue
+            if t.logprobs is not None:  # the runner sent (ids, logprobs) for its one new token
+                t.logprobs.append(self._logprob_entry(*logprobs[rid]))
             times = t.metrics.token_times
             if not times:
                 t.metrics.first_token_time = now
@@ -402,6 +455,17 @@ class LLMEngine:
             if t.req.request_id in tracked:
                 t.sink(self._output(t, None))
         return finished
+
+    def _logprob_entry(self, ids: list[int], values: list[float]) -> dict:
+        """Contract B's entry for one token: the sampled token (ids[0]) and its top alternatives."""
+        texts = self._token_texts
+        entries = []
+        for tid, lp in zip(ids, values):
+            token, raw = texts(tid)
+            entries.append({"token_id": tid, "token": token, "bytes": list(raw), "logprob": lp})
+        first = entries[0]
+        first["top"] = entries[1:]
+        return first
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a request that may still be queued (monotonic seconds)."""
@@ -477,8 +541,10 @@ class LLMEngine:
         detok = t.detok
         text = detok.visible_text() if detok is not None else ""
         delta = detok.take_delta(reason is not None) if detok is not None else ""
-        new_ids = ids[t.num_sent :]
+        sent = t.num_sent
+        new_ids = ids[sent:]
         t.num_sent = len(ids)
+        lps = t.logprobs
         return RequestOutput(
             req.request_id,
             t.prompt,
@@ -491,7 +557,22 @@ class LLMEngine:
             delta,
             new_ids,
             t.error_code,
+            None if lps is None else list(lps),
+            None if lps is None else lps[sent:],
+            self._stop_reason(t) if reason == "stop" else None,
         )
+
+    def _stop_reason(self, t: _Tracked) -> str | int | None:
+        """vLLM's: the stop string found, else the stop token id that ended it; None for EOS
+        (checked first, as vLLM does, when a stop token id is also an EOS id)."""
+        detok = t.detok
+        if detok is not None and detok.stop_str is not None:
+            return detok.stop_str
+        ids = t.req.output_token_ids
+        last = ids[-1] if ids else None
+        if last is None or (not t.params.ignore_eos and last in self.eos_token_ids):
+            return None
+        return last if last in t.params.stop_token_ids else None
 
     # ---- streaming --------------------------------------------------------------------------
 

@@ -48,6 +48,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[dict] | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +67,13 @@ class RequestOutput:
     # Why `error` happened, for callers that branch on it: "queue_timeout", "deadline_exceeded",
     # "engine_error" or "runtime_closed".
     error_code: str | None = None
+    # One entry per generated token when params.logprobs is not None (else None):
+    #   {"token_id", "token", "bytes", "logprob", "top": [{"token_id", "token", "bytes", "logprob"}, ...]}
+    # `top` holds params.logprobs entries, most likely first; logprobs are of the raw logits.
+    logprobs: list[dict] | None = None
+    delta_logprobs: list[dict] | None = None  # the entries of delta_token_ids
+    # The stop string or stop token id that ended the request; None for EOS, length or abort.
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:
@@ -73,4 +82,4 @@ class RequestOutput:
     @property
     def outputs(self) -> list[CompletionOutput]:
         """vLLM's shape: one completion per request (Tandem samples n=1)."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs, self.stop_reason)]

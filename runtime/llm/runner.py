@@ -5,7 +5,7 @@ diffs, as in vLLM v1): a decode step adds only the token it sampled itself and a
 blocks. Block tables live in preallocated numpy rows (runtime/llm/input_batch.py), so a step
 reads its decodes' tables, positions and slots with a few vectorized ops and hands them to
 torch without copying. It runs the model once, samples all rows at once, and syncs with the
-host once, in the final `.tolist()`.
+host once, in the final `to_host` (the sampled ids, with the logprobs of the rows that asked).
 
 Attention runs, on CPU, on the C++ kernel that reads the blocks in place
 (kernels/cpu_attention.py, "cpp", where it builds) or the torch reference
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -53,7 +53,8 @@ from runtime.block_pool import BlockPool
 from runtime.llm.input_batch import InputBatch
 from runtime.llm.loader import DTYPES, LoadedModel
 from runtime.llm.model import AttentionMetadata, LlamaModel, ModelSpec, PrefillChunk
-from runtime.llm.sampler import Sampler, SamplingBatch, row_seed
+from runtime.llm.sampler import Sampler, SamplingBatch, compute_logprobs, row_seed, to_host
+from runtime.llm.sampling_params import GREEDY_EPS
 from runtime.memory import DeviceMemoryManager
 from schedulers.plan import StepPlan, StepResult
 
@@ -71,6 +72,14 @@ def _default_backend(device: torch.device) -> str:
 
 
 @dataclass(slots=True)
+class RunnerResult(StepResult):
+    """StepResult plus what only the engine reads: for each request that asked for logprobs
+    and sampled this step, (token ids, logprobs) of the sampled token then its top k."""
+
+    logprobs: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class _RequestState:
     token_ids: list[int]
     block_ids: list[int]
@@ -82,6 +91,8 @@ class _RequestState:
     min_tokens: int
     stop_ids: list[int]  # suppressed while fewer than min_tokens outputs exist
     penalized: bool = False  # has a row in sampler.penalties
+    min_p: float = 0.0
+    num_logprobs: int | None = None  # None: no logprobs
 
 
 class ModelRunner:
@@ -265,22 +276,25 @@ class ModelRunner:
         eos = [] if sp is not None and sp.ignore_eos else self.eos_token_ids
         stop_ids = list(dict.fromkeys(eos + (list(sp.stop_token_ids) if sp is not None else [])))
         vocab = self.spec.vocab_size
-        for field, ids in (("token_ids", nr.token_ids), ("stop_token_ids", stop_ids)):
+        for name, ids in (("token_ids", nr.token_ids), ("stop_token_ids", stop_ids)):
             if ids and not (0 <= min(ids) and max(ids) < vocab):
                 raise ValueError(
-                    f"{field} must be token ids in [0, {vocab}), got {[t for t in ids if not 0 <= t < vocab][:4]!r}"
+                    f"{name} must be token ids in [0, {vocab}), got {[t for t in ids if not 0 <= t < vocab][:4]!r}"
                 )
         self.requests[nr.request_id] = _RequestState(
             token_ids=list(nr.token_ids),
             block_ids=list(nr.block_ids),
             num_prompt_tokens=nr.num_prompt_tokens,
-            temperature=float(sp.temperature) if sp is not None else 0.0,
+            # Below vLLM's epsilon a temperature is greedy (1/T would overflow float32).
+            temperature=float(sp.temperature) if sp is not None and sp.temperature >= GREEDY_EPS else 0.0,
             top_k=sp.top_k if sp is not None else 0,
             top_p=float(sp.top_p) if sp is not None else 1.0,
             seed=sp.seed if sp is not None else None,
             min_tokens=sp.min_tokens if sp is not None else 0,
             stop_ids=stop_ids,
             penalized=sp is not None and sp.has_penalties,
+            min_p=float(sp.min_p) if sp is not None else 0.0,
+            num_logprobs=sp.logprobs if sp is not None else None,
         )
         self.batch.add(nr.request_id, nr.block_ids)
         # Blocks past the prefix-cache hit are new to this request: zero them (see execute).
@@ -296,7 +310,7 @@ class ModelRunner:
             )
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan) -> RunnerResult:
         if self._memory_released:
             raise RuntimeError("this runner has released its memory (release_memory) and cannot execute")
         requests, batch = self.requests, self.batch
@@ -314,7 +328,7 @@ class ModelRunner:
                 failed[nr.request_id] = str(exc)
         if not plan.req_ids:
             self._zero_blocks(fresh)
-            return StepResult(sampled_token_ids=[], failed=failed)
+            return RunnerResult(sampled_token_ids=[], failed=failed)
 
         bs = self.block_size
         states = [requests.get(rid) for rid in plan.req_ids]  # None: refused at admission
@@ -403,7 +417,7 @@ class ModelRunner:
             ).to(dev)
 
         if not ids:  # every planned request had zero tokens scheduled, or was refused
-            return StepResult(sampled_token_ids=[[] for _ in plan.req_ids], failed=failed)
+            return RunnerResult(sampled_token_ids=[[] for _ in plan.req_ids], failed=failed)
         sample_idx = [i for i, s in enumerate(plan.sample) if s and i in row_of_last]
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.from_numpy(np.concatenate(pos_parts) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
@@ -416,16 +430,24 @@ class ModelRunner:
 
         return self._sample(plan, states, sample_idx, logits, failed)
 
-    def _sample(self, plan: StepPlan, states, sample_idx: list[int], logits, failed: dict[str, str]) -> StepResult:
+    def _sample(self, plan: StepPlan, states, sample_idx: list[int], logits, failed: dict[str, str]) -> RunnerResult:
         out: list[list[int]] = [[] for _ in plan.req_ids]
         if logits is None:
-            return StepResult(sampled_token_ids=out, failed=failed)
+            return RunnerResult(sampled_token_ids=out, failed=failed)
         sbatch = self._sampling_batch([states[i] for i in sample_idx], [plan.req_ids[i] for i in sample_idx])
-        tokens = self.sampler(logits, sbatch).tolist()
+        tokens_t = self.sampler(logits, sbatch)
+        logprobs: dict[str, tuple[list[int], list[float]]] = {}
+        if sbatch.logprobs:
+            lp = compute_logprobs(logits, tokens_t, sbatch.logprobs)
+            tokens, lp_ids, lp_vals = to_host(tokens_t, lp.token_ids, lp.logprobs)
+            for (row, k), ids, vals in zip(sbatch.logprobs, lp_ids, lp_vals):
+                logprobs[plan.req_ids[sample_idx[row]]] = (ids[: k + 1], vals[: k + 1])
+        else:
+            (tokens,) = to_host(tokens_t)
         for i, tok in zip(sample_idx, tokens):
             states[i].token_ids.append(tok)
             out[i] = [tok]
-        return StepResult(sampled_token_ids=out, failed=failed)
+        return RunnerResult(sampled_token_ids=out, failed=failed, logprobs=logprobs)
 
     def _graph_ready(self) -> bool:
         g = self.graph
@@ -436,7 +458,7 @@ class ModelRunner:
             return False
         return True
 
-    def _execute_graph(self, plan: StepPlan, states, decodes: list[int], failed: dict[str, str]) -> StepResult:
+    def _execute_graph(self, plan: StepPlan, states, decodes: list[int], failed: dict[str, str]) -> RunnerResult:
         """A decode-only step through the captured graph; None if the graph raised (it is then
         dropped for good, and the caller runs the step eagerly: rewriting the same K/V slots is
         harmless). The graph takes at least two rows and two table columns (sizes 0 and 1 are
@@ -488,11 +510,11 @@ class ModelRunner:
         slots, tables = batch.decode_inputs(rows, pos)
         return ids, pos, slots, tables
 
-    def _execute_cuda_graph(self, plan: StepPlan, states, decodes: list[int], failed: dict[str, str]) -> StepResult:
+    def _execute_cuda_graph(self, plan: StepPlan, states, decodes: list[int], failed: dict[str, str]) -> RunnerResult:
         logits = self.cuda_graphs(*self._decode_arrays(plan, states, decodes))
         return self._sample_decodes(plan, states, decodes, logits, failed)
 
-    def _sample_decodes(self, plan: StepPlan, states, decodes: list[int], logits, failed) -> StepResult:
+    def _sample_decodes(self, plan: StepPlan, states, decodes: list[int], logits, failed) -> RunnerResult:
         """Sample a graph's logits [len(decodes), vocab] for the decode rows that sample."""
         n = len(decodes)
         self.num_graph_steps += 1
@@ -510,11 +532,15 @@ class ModelRunner:
     def _sampling_batch(states: list[_RequestState], request_ids: list[str]) -> SamplingBatch:
         suppress: list[tuple[int, list[int]]] = []
         seeds: list[int | None] = []
+        logprobs: list[tuple[int, int]] = []
         for row, st in enumerate(states):
             num_out = len(st.token_ids) - st.num_prompt_tokens
             if num_out < st.min_tokens and st.stop_ids:
                 suppress.append((row, st.stop_ids))
             seeds.append(row_seed(st.seed, num_out) if st.seed is not None else None)
+            if st.num_logprobs is not None:
+                logprobs.append((row, st.num_logprobs))
+        min_p = [st.min_p for st in states]
         return SamplingBatch(
             temperatures=[st.temperature for st in states],
             top_k=[st.top_k for st in states],
@@ -522,4 +548,6 @@ class ModelRunner:
             seeds=seeds,
             suppress=suppress,
             penalized=[(row, rid) for row, (rid, st) in enumerate(zip(request_ids, states)) if st.penalized],
+            min_p=min_p if any(min_p) else None,
+            logprobs=logprobs,
         )

@@ -1,10 +1,12 @@
-"""Batched next-token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens,
-repetition / presence / frequency penalties.
+"""Batched next-token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds,
+min_tokens, repetition / presence / frequency penalties, and logprobs.
 
 One pass over the [num_rows, vocab] logits for the whole batch; no loop over tokens.
 
     greedy rows  argmax of the (min_tokens-masked) logits; no softmax, no random numbers
-    other rows   softmax(logits / temperature), probabilities below the row's top-k / top-p
+    other rows   softmax(logits / temperature), probabilities below min_p * the row's largest
+                 zeroed (vLLM's order: min-p after temperature, before top-k / top-p, which then
+                 see the renormalised rest), probabilities below the row's top-k / top-p
                  threshold zeroed, then the exponential race: token = argmax(p / E) with
                  E = -log U ~ Exponential(1) drawn per token (computed as argmax(log U / p)).
                  E / p is an exponential of rate p, and the first to arrive is token j with
@@ -34,6 +36,16 @@ Penalties read per-request token statistics kept on the device (PenaltyState): w
 the prompt and output hold, and how often each was sampled. They are applied to the logits
 first (before min_tokens and temperature) and updated from the sampled tokens on the device,
 so they add no host sync and no Python loop over tokens.
+
+Logprobs (`logprobs`), for the rows that ask only, come from the raw logits, before penalties,
+min_tokens masking and temperature (vLLM's default, "raw_logprobs"): one float32 log_softmax
+over those rows, one gather of the sampled tokens and one topk for the largest k asked; the
+small [rows, k + 1] results reach the host in the step's one sync (`to_host`).
+
+Where constrained decoding (structured outputs) would go: a per-row allowed-token bitmask
+applied to the logits in `Sampler.__call__`, after the penalties and before `_sample` (so that
+greedy, min_tokens suppression and the race all see it), and never to the logits `logprobs`
+reads (those stay raw, as vLLM reports them).
 """
 
 from __future__ import annotations
@@ -86,6 +98,44 @@ class SamplingBatch:
     suppress: list[tuple[int, list[int]]] = field(default_factory=list)
     # (row, request id) for rows whose request has penalties (PenaltyState knows its stats).
     penalized: list[tuple[int, str]] = field(default_factory=list)
+    min_p: list[float] | None = None  # per row, 0 = off; None = off for every row
+    # (row, k) for rows that want logprobs: the sampled token's and the top k alternatives'.
+    logprobs: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """Device tensors for the rows of `SamplingBatch.logprobs`, in that order: `token_ids`
+    [rows, 1 + k] int64 and `logprobs` [rows, 1 + k] float32, column 0 the sampled token,
+    then the top k (k the largest asked; a row that asked fewer reads a prefix)."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[tuple[int, int]]) -> Logprobs:
+    """Log-probabilities of the sampled `tokens` [all rows] and the top k, from the raw
+    `logits` [all rows, vocab], for the (row, k) pairs `rows` only: no host sync."""
+    dev = logits.device
+    idx = _to_device([r for r, _ in rows], torch.long, dev)
+    lp = logits.index_select(0, idx).float().log_softmax(dim=-1)
+    sampled = tokens.index_select(0, idx).unsqueeze(1)
+    k = max(k for _, k in rows)
+    if k == 0:
+        return Logprobs(sampled, lp.gather(1, sampled))
+    # topk's order among tied values is unspecified; ties are rare in float32 logits.
+    top = lp.topk(k, dim=-1)
+    return Logprobs(torch.cat([sampled, top.indices], 1), torch.cat([lp.gather(1, sampled), top.values], 1))
+
+
+def to_host(*tensors: torch.Tensor) -> list[list]:
+    """`.tolist()` of each tensor with one host sync in all: on CUDA every copy is queued
+    non-blocking (into pinned memory) and one stream synchronize waits for them together."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.tolist() for t in tensors]
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [t.tolist() for t in host]
 
 
 def _thresholds(sorted_probs: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
@@ -233,8 +283,9 @@ class Sampler:
         rows = [i for i, t in enumerate(temps) if t != 0]
         if not rows:
             return logits.argmax(dim=-1)
+        min_p = batch.min_p or [0.0] * len(temps)
         if len(rows) == len(temps):
-            return self._draw(logits, temps, batch.top_k, batch.top_p, batch.seeds)
+            return self._draw(logits, temps, batch.top_k, batch.top_p, batch.seeds, min_p)
         # Mixed: greedy rows take the argmax; only the others are sampled (and draw noise).
         idx = _to_device(rows, torch.long, dev)
         sampled = self._draw(
@@ -243,11 +294,18 @@ class Sampler:
             [batch.top_k[i] for i in rows],
             [batch.top_p[i] for i in rows],
             [batch.seeds[i] for i in rows],
+            [min_p[i] for i in rows],
         )
         return logits.argmax(dim=-1).index_copy_(0, idx, sampled)
 
     def _draw(
-        self, logits: torch.Tensor, temps: list[float], top_k: list[int], top_p: list[float], seeds: list[int | None]
+        self,
+        logits: torch.Tensor,
+        temps: list[float],
+        top_k: list[int],
+        top_p: list[float],
+        seeds: list[int | None],
+        min_p: list[float],
     ) -> torch.Tensor:
         """Sample every row of `logits` (all temperatures > 0) by the exponential race."""
         dev = logits.device
@@ -259,6 +317,8 @@ class Sampler:
         else:
             scaled = logits * _to_device(inv, torch.float32, dev).unsqueeze(1)
         probs = scaled.softmax(dim=-1)  # a fresh tensor: the steps below work in place
+        if any(m > 0 for m in min_p):
+            self._min_p(probs, min_p)
         self._restrict(probs, top_k, top_p)
         # E = -log U with U uniform in [tiny, 1): E is Exponential(1), finite and > 0, so
         # log(U) / p is finite and < 0 for every kept token and -inf for an excluded one (p = 0),
@@ -274,6 +334,16 @@ class Sampler:
                 gen.manual_seed(seed)
                 noise[i].uniform_(_TINY, 1.0, generator=gen)
         return noise.log_().div_(probs).argmax(dim=-1)
+
+    @staticmethod
+    def _min_p(probs: torch.Tensor, min_p: list[float]) -> None:
+        """Zero, in place, probabilities below min_p * the row's largest, and renormalise those
+        rows so that top-p measures the mass of what is left (as vLLM, which masks the logits
+        and takes a fresh softmax). Rows with min_p = 0 are divided by exactly 1: their
+        probabilities, hence a seeded row's tokens, do not depend on their neighbours."""
+        mp = _to_device(min_p, torch.float32, probs.device).unsqueeze(1)
+        probs.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * mp, 0.0)
+        probs.div_(torch.where(mp > 0, probs.sum(dim=-1, keepdim=True), 1.0))
 
     @staticmethod
     def _restrict(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

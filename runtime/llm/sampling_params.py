@@ -1,14 +1,28 @@
 """SamplingParams, shaped like vLLM's so that users feel at home. Validated on construction:
-a bad field raises ValueError naming the field and the allowed range."""
+a bad field raises ValueError naming the field and the allowed range. The fields are never
+rewritten by the engine (one instance may serve many requests): what depends on the model
+(max_tokens None, the greedy epsilon) is resolved where it is used."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this are greedy, as vLLM's _SAMPLING_EPS: 1/T overflows float32 long before
+# T reaches 0 (T = 1e-320 made every logit inf, the softmax NaN, and the text empty).
+GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+MAX_STOP = 64  # stop strings, and stop token ids, per request
+MAX_STOP_LEN = 512  # characters per stop string: the detokenizer rescans this much text per step
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: whatever the context leaves after the prompt
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # 0 (or -1, as vLLM spells it) means no top-k
@@ -24,10 +38,18 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # None: no logprobs; k in [0, 20]: each sampled token's logprob (log_softmax of the raw
+    # logits, before penalties and temperature, as vLLM) and the k most likely alternatives.
+    logprobs: int | None = None
+    min_p: float = 0.0  # in [0, 1]: drop tokens whose probability is below min_p * the top one's
+    include_stop_str_in_output: bool = False
+    structured_outputs: dict | None = None  # not built yet: anything but None is refused
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(
+                f"max_tokens must be an integer >= 1 or None (the rest of the context), got {self.max_tokens!r}"
+            )
         if (
             isinstance(self.temperature, bool)
             or not isinstance(self.temperature, (int, float))
@@ -40,11 +62,9 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1 = disabled), got {self.top_k!r}")
-        if (
-            isinstance(self.min_tokens, bool)
-            or not isinstance(self.min_tokens, int)
-            or not 0 <= self.min_tokens <= self.max_tokens
-        ):
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
             )
@@ -55,11 +75,18 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
+        if len(self.stop) > MAX_STOP:
+            raise ValueError(f"stop must hold at most {MAX_STOP} strings, got {len(self.stop)}")
+        long = [s for s in self.stop if len(s) > MAX_STOP_LEN]
+        if long:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_LEN} characters, got one of {len(long[0])}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
+        if len(self.stop_token_ids) > MAX_STOP:
+            raise ValueError(f"stop_token_ids must hold at most {MAX_STOP} ids, got {len(self.stop_token_ids)}")
         rp = self.repetition_penalty
         if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0 < rp < float("inf"):
             raise ValueError(f"repetition_penalty must be a number > 0 (1 = off, > 1 discourages repeats), got {rp!r}")
@@ -67,6 +94,22 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {v!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        mp = self.min_p
+        if isinstance(mp, bool) or not isinstance(mp, (int, float)) or not 0 <= mp <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {mp!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, dict) or len(so) != 1 or next(iter(so)) not in STRUCTURED_KINDS:
+                raise ValueError(
+                    f"structured_outputs must be None or a dict with exactly one key of {STRUCTURED_KINDS}, got {so!r}"
+                )
+            # Refused rather than ignored: output that silently breaks the schema is worse than an error.
+            raise ValueError(f"structured_outputs: {next(iter(so))!r} is not supported yet")
 
     @property
     def has_penalties(self) -> bool:
@@ -74,4 +117,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_EPS
