@@ -7,6 +7,7 @@ import argparse
 import sys
 
 # These modules keep torch out of their top level, so building the parser stays cheap.
+from benchmarks.chaos import add_chaos_arguments
 from benchmarks.jobs import add_jobs_bench_arguments
 from benchmarks.llm import add_bench_arguments as add_llm_bench
 from benchmarks.mixed import add_bench_arguments as add_mixed_bench
@@ -38,6 +39,9 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     add_jobs_bench_arguments(bench.add_parser("jobs", help="LLM jobs through Redis + Celery vs the in-process Runtime"))
     add_bench_serve_arguments(
         bench.add_parser("serve", help="tandem serve vs vLLM's OpenAI server: output tok/s and TTFT")
+    )
+    add_chaos_arguments(
+        bench.add_parser("chaos", help="a soak under faults: worker SIGKILLs, Redis restarts, dropped clients")
     )
     add_single(
         bench.add_parser("single", help="one sequence: decode and prefill tokens/s against llama.cpp on the GGUF")
@@ -93,6 +97,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
         from benchmarks.weight_kernels import run as run_weight_kernels
 
         return run_weight_kernels(args)
+    if args.bench == "chaos":
+        from benchmarks.chaos import run_chaos
+
+        return run_chaos(args)
     if args.bench == "jobs":
         from benchmarks.jobs import run_jobs_bench
 

@@ -64,6 +64,9 @@ class GenerationHandle:
                 prev = self._pending.pop()
                 out.delta_text = prev.delta_text + out.delta_text
                 out.delta_token_ids = prev.delta_token_ids + out.delta_token_ids
+                prev_lp, lp = getattr(prev, "delta_logprobs", None), getattr(out, "delta_logprobs", None)
+                if prev_lp is not None and lp is not None:  # contract B: aligned with delta_token_ids
+                    out.delta_logprobs = prev_lp + lp
             self._pending.append(out)
             if out.finished:
                 self._final = out

@@ -207,9 +207,26 @@ def runtime_payload(runtime: Any, model_name: str | None) -> dict:
     payload: dict[str, Any] = {"kind": "runtime", "serves": [], "metrics": runtime.metrics_snapshot()}
     if runtime.llm is not None:
         payload.update(serves=["llm"], model_name=model_name, max_model_len=runtime.max_model_len)
+        # What `tandem serve` lists and routes to (server/routes/models.py): one entry per model.
+        payload["models"] = [{"name": model_name, "max_model_len": runtime.max_model_len}]
     if runtime.vision is not None:
         payload["serves"].append("vision")
+        payload["vision_model_name"] = vision_model_name(runtime.vision)
     return payload
+
+
+def vision_model_name(vision: Any) -> str:
+    """The detector's name for the model_name label: its weights' file name without suffix."""
+    import os
+
+    model = str(getattr(getattr(vision, "config", None), "model", "") or "")
+    return os.path.splitext(os.path.basename(model))[0] or "vision"
+
+
+# Series that describe the vision model's work: labelled with its name, not the LLM's.
+VISION_SERIES = frozenset(
+    {"vision_images", "vision_batches", "vision_queue_depth", "vision_batch_size", "vision_queue_delay_seconds"}
+)
 
 
 # ---- fleet: publish to Redis, read back --------------------------------------------------------
@@ -255,20 +272,27 @@ def families(payloads: list[dict]) -> Iterator[Any]:
     # renamed exported_instance), while this one names the fleet's process behind the server.
     labels = ["tandem_instance", "model_name"]
 
-    def key(p: dict) -> list[str]:
-        return [str(p.get("instance", "")), str(p.get("model_name") or "")]
+    def key(p: dict, name: str = "") -> list[str]:
+        model = p.get("vision_model_name", p.get("model_name")) if name in VISION_SERIES else p.get("model_name")
+        return [str(p.get("instance", "")), str(model or "")]
+
+    def has(p: dict, name: str) -> bool:
+        """Does `p` serve the workload `name` measures? (payloads that do not say: both)"""
+        serves = p.get("serves")
+        return serves is None or ("vision" if name in VISION_SERIES else "llm") in serves
 
     for name, help_text in GAUGES.items():
         g = GaugeMetricFamily(PREFIX + name, help_text, labels=labels)
         for p in runtimes:
             value = p["metrics"].get("gauges", {}).get(name)
-            if value is not None:
-                g.add_metric(key(p), float(value))
+            if value is not None and has(p, name):
+                g.add_metric(key(p, name), float(value))
         yield g
     for name, help_text in COUNTERS.items():
         c = CounterMetricFamily(PREFIX + name, help_text, labels=labels)
         for p in runtimes:
-            c.add_metric(key(p), float(p["metrics"].get("counters", {}).get(name, 0)))
+            if has(p, name):
+                c.add_metric(key(p, name), float(p["metrics"].get("counters", {}).get(name, 0)))
         yield c
     c = CounterMetricFamily(
         PREFIX + "request_success", "Finished requests by finished_reason.", labels=[*labels, "finished_reason"]
@@ -281,13 +305,15 @@ def families(payloads: list[dict]) -> Iterator[Any]:
         h = HistogramMetricFamily(PREFIX + name, help_text, labels=labels)
         for p in runtimes:
             d = p["metrics"].get("histograms", {}).get(name)
+            if not has(p, name):
+                continue
             if not d:
                 continue
             cumulative, buckets = 0, []
             for bound, n in zip([*d["buckets"], float("inf")], d["counts"]):
                 cumulative += n
                 buckets.append((_le(bound), cumulative))
-            h.add_metric(key(p), buckets, d["sum"])
+            h.add_metric(key(p, name), buckets, d["sum"])
         yield h
     yield from _camera_families(payloads)
 

@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from runtime.handles import GenerationHandle, RuntimeClosedError
@@ -60,6 +60,28 @@ def _config(cls, value: Any, name: str):
             raise ValueError(f"{name}: unknown field(s) {unknown}; allowed: {sorted(known)}")
         return cls(**value)
     raise ValueError(f"{name} must be a {cls.__name__}, a dict of its fields, or None, got {type(value).__name__}")
+
+
+def _cancellable(inner: Future) -> Future:
+    """A future of `inner`'s outcome that can be cancelled until it has one. The vision
+    front-end's own future refuses a cancel once its batch forms (it is marked running then);
+    a caller (a cancelled job, a client gone) must not wait for that batch to be told no."""
+    outer: Future = Future()
+
+    def relay(f: Future) -> None:
+        try:
+            if f.cancelled():
+                outer.cancel()
+            elif f.exception() is not None:
+                outer.set_exception(f.exception())
+            else:
+                outer.set_result(f.result())
+        except InvalidStateError:  # cancelled meanwhile: the outcome is dropped
+            pass
+
+    outer.add_done_callback(lambda f: f.cancelled() and inner.cancel())
+    inner.add_done_callback(relay)
+    return outer
 
 
 def _is_messages(p: Any) -> bool:
@@ -191,14 +213,32 @@ class Runtime:
         self, item: Any, priority: int = 0, deadline_s: float | None = None, request_id: str | None = None
     ) -> Future:
         """Queue one image (array, PIL image, path or Frame); the future gets its Detections.
-        Cancelling the future takes a queued request out. Raises QueueFullError when the queue
+        Cancelling the future succeeds at any point before its result: a queued request is
+        taken out of the queue; one whose batch formed already runs on, its result dropped. Raises QueueFullError when the queue
         is full, ValueError for bad fields; a bad *image* fails only its own future."""
         lane = self._require("vision")
         with self._cond:
             self._check_open()
-            future = lane.submit(item, priority, deadline_s, request_id)
+            inner = lane.submit(item, priority, deadline_s, request_id)
             self._cond.notify_all()
-        return future
+        return _cancellable(inner)
+
+    @property
+    def broken(self) -> str | None:
+        """Why this Runtime serves no more requests (its loop hit an error it cannot survive, or
+        its thread is gone); None while it works. A host polls this to leave and be restarted."""
+        if self._broken is None and not self._closing and not self._loop.is_alive():
+            return "the runtime's loop thread is gone"
+        return self._broken
+
+    def fail_loop(self, reason: str) -> None:
+        """Break the loop thread as an error it cannot survive would (fault drills: what a
+        worker does when its Runtime breaks)."""
+
+        def fail() -> None:
+            raise RuntimeError(reason)
+
+        self._post(fail)
 
     def llm_load(self):
         """The LLM scheduler's SchedulerStats now (queue depth, running, KV use); None without an LLM."""

@@ -47,13 +47,15 @@ class Stream(Protocol):
 
 
 class JobStream:
-    def __init__(self, backend: JobsBackend, job_id: str) -> None:
+    def __init__(self, backend: JobsBackend, job_id: str, deadline: float | None = None, owner: str | None = None):
         self.backend = backend
         self.id = job_id
+        self.deadline = deadline  # time.monotonic() past which a lost Redis is not waited for
+        self.owner = owner
         self.final: dict | None = None
 
     async def events(self) -> AsyncIterator[dict]:
-        async for _, event in self.backend.read_events(self.id, "0-0"):
+        async for _, event in self.backend.read_events(self.id, "0-0", owner=self.owner, deadline=self.deadline):
             if event["type"] in ("done", "failed", "cancelled"):
                 self.final = event
             yield event
@@ -61,11 +63,11 @@ class JobStream:
                 return
 
     async def usage(self) -> dict:
-        result = await self.backend.result(self.id)
+        result = await self.backend.result(self.id, owner=self.owner)
         return (result or {}).get("usage") or {}
 
     async def cancel(self) -> None:
-        await self.backend.cancel(self.id)
+        await self.backend.cancel(self.id, owner=self.owner)
 
 
 class JobsBackend:
@@ -118,20 +120,22 @@ class JobsBackend:
 
     async def health(self) -> dict:
         await self.redis.ping()
-        workers = await self.workers()
-        return {
-            "workers": len(workers),
-            "llm": sum("llm" in w.get("serves", ()) for w in workers),
-            "vision": sum("vision" in w.get("serves", ()) for w in workers),
-        }
+        return fleet_health(await self.workers())
 
     # ---- jobs ---------------------------------------------------------------------------------
 
     async def check_capacity(self, queue: str) -> None:
         """503 with Retry-After when `max_queued` jobs already wait for a worker."""
+        from workers.settings import MODEL_QUEUE_PREFIX
         from workers.store import PREFIX
 
-        waiting = await self.redis.zcard(f"{PREFIX}queued:{queue}")
+        queues = [queue]
+        if queue.startswith(MODEL_QUEUE_PREFIX):  # the model's workers take the plain llm queue's jobs too
+            queues.append("llm")
+        pipe = self.redis.pipeline(transaction=False)
+        for q in queues:
+            pipe.zcard(f"{PREFIX}queued:{q}")
+        waiting = sum(await pipe.execute())
         if waiting >= self.max_queued:
             raise APIError(
                 503,
@@ -150,8 +154,11 @@ class JobsBackend:
         priority: int = 0,
         max_tokens: int = 0,
         ttl_s: int | None = None,
+        owner: str | None = None,
     ) -> tuple[str, bool, str]:
-        """Record and queue a job (idempotent on job_id). Returns (job_id, created, state)."""
+        """Record and queue a job (idempotent on job_id). Returns (job_id, created, state).
+        `owner` (contract G): the job is then invisible to any other owner, and its job_id
+        refused to them (JobOwnedError, a ValueError: 409)."""
         from workers.store import check_job_id, submit_args, submit_outcome
 
         queue = queue or ("llm" if task == "tandem.generate" else "vision")
@@ -164,64 +171,113 @@ class JobsBackend:
             ttl_s=ttl_s or self.settings.job_ttl_s,
             max_tokens=max_tokens,
             priority=priority,
+            owner=owner,
         )
         created, state = submit_outcome(job_id, *await self._submit(args=args))
         return job_id, created, state
 
     async def generate(self, gen: Generation, deadline_s: float | None) -> JobStream:
-        await self.check_capacity("llm")
+        """Queue the generation on the queue of the model `gen.model` names (the workers' name,
+        as resolve_model sets it; None: the plain `llm` queue, which any LLM worker takes)."""
+        from workers.settings import model_queue
+
+        queue = model_queue(gen.model) if gen.model else "llm"
+        await self.check_capacity(queue)
         kwargs = dict(gen.job)
         if deadline_s is not None:
             kwargs["deadline_s"] = deadline_s  # a job still queued then never runs
+        max_tokens = kwargs.get("max_tokens", 16)
         job_id, _, _ = await self.submit(
-            "tandem.generate", kwargs, priority=kwargs.get("priority", 0), max_tokens=kwargs.get("max_tokens", 16)
+            "tandem.generate",
+            kwargs,
+            queue=queue,
+            priority=kwargs.get("priority", 0),
+            max_tokens=max_tokens if isinstance(max_tokens, int) else 0,
         )
-        return JobStream(self, job_id)
+        return JobStream(self, job_id, None if deadline_s is None else time.monotonic() + deadline_s)
 
-    async def read_events(self, job_id: str, after: str = "0-0") -> AsyncIterator[tuple[str, dict]]:
-        """(stream id, event) from `after` on, until the final event."""
+    async def read_events(
+        self, job_id: str, after: str = "0-0", owner: str | None = None, deadline: float | None = None
+    ) -> AsyncIterator[tuple[str, dict]]:
+        """(stream id, event) from `after` on, until the final event. A lost connection to
+        Redis (a restart) is retried from the last id seen, until `deadline` (time.monotonic();
+        None: settings.reconnect_s from the loss); past it the stream ends with a "failed" event
+        that names the job, whose result GET /v1/jobs/{id} gives once Redis is back."""
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
         from workers.store import events_key
 
+        if owner is not None and not await self.visible(job_id, owner):
+            raise APIError(404, f"job {job_id} does not exist (or expired)", "job_id")
         key = events_key(job_id)
         last = after or "0-0"
         block: int | None = None  # the first read never blocks: a finished job needs no wait
+        lost_at: float | None = None
+        delay = 0.05
         while True:
-            reply = await self.redis.xread({key: last}, count=512, block=block)
-            entries = reply[0][1] if reply else []
+            try:
+                reply = await self.redis.xread({key: last}, count=512, block=block)
+                entries = reply[0][1] if reply else []
+                ended = False
+                if not entries:
+                    state = await self.state(job_id)
+                    if state is None:
+                        raise APIError(404, f"job {job_id} does not exist (or expired)", "job_id")
+                    ended = state in ("done", "failed", "cancelled") and not await self.redis.xread(
+                        {key: last}, count=1
+                    )
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                now = time.monotonic()
+                lost_at = lost_at or now
+                until = deadline if deadline is not None else lost_at + self.settings.reconnect_s
+                if now + delay >= until:
+                    yield last, lost_stream_event(job_id, exc)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+                continue
+            lost_at, delay = None, 0.05
             for event_id, fields in entries:
                 last = event_id
                 event = _event(fields)
                 yield event_id, event
                 if event["type"] in ("done", "failed", "cancelled"):
                     return
-            if not entries:
-                state = await self.state(job_id)
-                if state is None:
-                    raise APIError(404, f"job {job_id} does not exist (or expired)", "job_id")
-                if state in ("done", "failed", "cancelled") and not await self.redis.xread({key: last}, count=1):
-                    return  # resumed after the final event
+            if ended:
+                return  # resumed after the final event
             block = 2000
+
+    async def visible(self, job_id: str, owner: str | None) -> bool:
+        """Does the job exist for `owner` (contract G: another owner's job is no job)?"""
+        from workers.store import job_key, visible
+
+        rec = await self.redis.hmget(job_key(job_id), ["state", "submitter"])
+        return rec[0] is not None and visible({"submitter": rec[1]}, owner)
 
     async def state(self, job_id: str) -> str | None:
         from workers.store import job_key
 
         return await self.redis.hget(job_key(job_id), "state")
 
-    async def result(self, job_id: str) -> dict | None:
+    async def result(self, job_id: str, owner: str | None = None) -> dict | None:
         from workers.store import end_key
 
+        if owner is not None and not await self.visible(job_id, owner):
+            return None
         final = await self.redis.xrange(end_key(job_id), count=1)
         if not final or not final[0][1].get("result"):
             return None
         return json.loads(final[0][1]["result"])
 
-    async def cancel(self, job_id: str) -> str:
-        """ "cancelled", "cancelling" (running: it stops within a step), a final state, or "missing"."""
+    async def cancel(self, job_id: str, owner: str | None = None) -> str:
+        """ "cancelled", "cancelling" (running: it stops within a step), a final state, or
+        "missing" (none, or another owner's)."""
         from workers.store import PREFIX
 
-        return await self._cancel(args=[PREFIX, job_id, time.time(), self.settings.stream_maxlen])
+        return await self._cancel(args=[PREFIX, job_id, time.time(), self.settings.stream_maxlen, owner or ""])
 
-    async def status(self, job_id: str) -> dict | None:
+    async def status(self, job_id: str, owner: str | None = None) -> dict | None:
         from workers.client import JobClient, JobNotFoundError
 
         if self._client is None:  # one pool of sync connections, shared by the status threads
@@ -231,11 +287,11 @@ class JobsBackend:
 
         def read() -> dict | None:
             try:
-                out = self._client.status(job_id)
+                out = self._client.status(job_id, owner=owner)
             except JobNotFoundError:
                 return None
             if out["state"] == "done":
-                out["result"] = self._client.result(job_id, timeout=0)
+                out["result"] = self._client.result(job_id, timeout=0, owner=owner)
             return out
 
         return await asyncio.to_thread(read)
@@ -261,10 +317,37 @@ class JobsBackend:
         return await self.result(job_id) or {}
 
 
+def worker_models(worker: dict) -> list[dict]:
+    """[{"name", "max_model_len"}] a worker's payload advertises (older payloads: model_name)."""
+    if worker.get("models"):
+        return [m for m in worker["models"] if m.get("name")]
+    if worker.get("model_name"):
+        return [{"name": worker["model_name"], "max_model_len": worker.get("max_model_len")}]
+    return []
+
+
+def fleet_health(workers: list[dict]) -> dict:
+    """/health's body from the live workers' payloads: how many serve each model and vision.
+    The route answers 503 when no live worker serves anything."""
+    models: dict[str, int] = {}
+    for w in workers:
+        for m in worker_models(w):
+            models[m["name"]] = models.get(m["name"], 0) + 1
+    return {
+        "workers": len(workers),
+        "llm": sum("llm" in w.get("serves", ()) for w in workers),
+        "vision": sum("vision" in w.get("serves", ()) for w in workers),
+        "models": models,
+    }
+
+
 def _event(fields: dict) -> dict:
     event: dict[str, Any] = {"type": fields.get("type", ""), "text": fields.get("text", "")}
     if fields.get("token_ids"):
         event["token_ids"] = json.loads(fields["token_ids"])
+    for name in ("logprobs", "stop_reason"):  # contract C: JSON (a list aligned with token_ids; a str or an id)
+        if fields.get(name):
+            event[name] = json.loads(fields[name])
     for name in ("finish_reason", "error", "worker"):
         if fields.get(name):
             event[name] = fields[name]
@@ -272,6 +355,19 @@ def _event(fields: dict) -> dict:
         if fields.get(name):
             event[name] = int(fields[name])
     return event
+
+
+def lost_stream_event(job_id: str, exc: BaseException) -> dict:
+    """The last event of a stream whose Redis stayed away past the request's deadline: the job
+    itself may well finish, so the event names it for GET /v1/jobs/{id}."""
+    return {
+        "type": "failed",
+        "text": "",
+        "job_id": job_id,
+        "finish_reason": "abort",
+        "error": f"lost the job store (Redis: {exc}) while streaming job {job_id}; it may still finish: "
+        f"GET /v1/jobs/{job_id} for its state and result",
+    }
 
 
 def job_error(event: dict) -> APIError:
@@ -306,7 +402,11 @@ class HandleStream:
             outputs, error = self.handle.poll()
             for out in outputs:
                 if out.delta_token_ids or out.delta_text:
-                    yield {"type": "token", "text": out.delta_text, "token_ids": out.delta_token_ids}
+                    event = {"type": "token", "text": out.delta_text, "token_ids": out.delta_token_ids}
+                    logprobs = getattr(out, "delta_logprobs", None)  # contract B, aligned with the ids
+                    if logprobs is not None:
+                        event["logprobs"] = logprobs
+                    yield event
                 if out.finished:
                     self.final = out
             if error is not None:
@@ -318,7 +418,11 @@ class HandleStream:
                     yield {"type": "failed", "error": str(error), "finish_reason": reason}
                 return
             if self.final is not None:
-                yield {"type": "done", "text": "", "finish_reason": self.final.finish_reason}
+                done = {"type": "done", "text": "", "finish_reason": self.final.finish_reason}
+                stop = getattr(self.final, "stop_reason", None)
+                if stop is not None:
+                    done["stop_reason"] = stop
+                yield done
                 return
             await self._wake.wait()
             self._wake.clear()
@@ -369,7 +473,7 @@ class EmbeddedBackend:
         stats = self.runtime.stats()
         if stats.get("broken"):
             raise RuntimeError(stats["broken"])
-        return {"workers": 1, "llm": int(self.runtime.llm is not None), "vision": int(self.runtime.vision is not None)}
+        return fleet_health([self._payload()])
 
     async def generate(self, gen: Generation, deadline_s: float | None) -> HandleStream:
         from runtime.llm.sampling_params import SamplingParams
@@ -411,7 +515,9 @@ class EmbeddedBackend:
                 source = item = allowed_path(value, self.allowed_roots)
             elif kind == "url":
                 source = allowed_url(value, self.allowed_url_prefixes)
-                item = await asyncio.to_thread(lambda: decode_upload(fetch_image(source), "url", max_image_pixels(rt)))
+                item = await asyncio.to_thread(
+                    lambda: decode_upload(fetch_image(source, self.allowed_url_prefixes), "url", max_image_pixels(rt))
+                )
             else:
                 source, item = "image", await asyncio.to_thread(decode_upload, value, "image", max_image_pixels(rt))
             future = rt.submit_detect(item, deadline_s=deadline_s)

@@ -21,7 +21,8 @@ from workers.settings import JobSettings
 from workers.store import PREFIX, digest, events_key, job_key
 
 pytestmark = pytest.mark.slow
-RESULT_KEYS = {"job_id", "worker", "text", "token_ids", "finish_reason", "usage", "timings"}
+# logprobs and stop_reason: contract C (null when not asked for, or when EOS or the length ended it)
+RESULT_KEYS = {"job_id", "worker", "text", "token_ids", "finish_reason", "usage", "timings", "logprobs", "stop_reason"}
 DETECT_KEYS = {"source", "frame", "boxes", "conf", "cls", "names", "error"}
 
 

@@ -73,3 +73,42 @@ def test_task_messages_follow_celery_protocol_2_on_kombu_priority_lists():
     assert msg["headers"]["ignore_result"] is True
     assert msg["properties"]["delivery_info"] == {"exchange": "", "routing_key": "llm"}
     assert [broker_list("llm", p) for p in (0, 2, 3, 9)] == ["llm", "llm", "llm\x06\x163", "llm\x06\x169"]
+
+
+def test_model_name_equals_path_names_the_served_model_and_one_model_per_worker(tmp_path):
+    from workers.settings import model_queue
+
+    args = _args("--queues", "llm", "--model", f"smol={tmp_path}")
+    runtime, queues, _ = worker_plan(args)
+    assert runtime["llm"]["model"] == str(tmp_path) and args.served_model_name == "smol" and queues == ["llm"]
+    assert model_queue("smol") == "llm.smol"
+    plain = _args("--queues", "llm", "--model", str(tmp_path))  # today's single --model PATH
+    assert worker_plan(plain)[0]["llm"]["model"] == str(tmp_path) and plain.served_model_name is None
+    with pytest.raises(ValueError, match="^--model: one worker process serves one model"):
+        worker_plan(_args("--model", f"a={tmp_path}", "--model", f"b={tmp_path}"))
+    with pytest.raises(ValueError, match="^--model must be PATH or NAME=PATH"):
+        worker_plan(_args("--model", "=nothing"))
+    with pytest.raises(ValueError, match="^--served-model-name"):
+        worker_plan(_args("--model", f"a={tmp_path}", "--served-model-name", "b"))
+
+
+def test_vision_series_carry_the_detector_name_and_llm_series_the_llm_name():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from runtime import metrics
+
+    m = metrics.ServingMetrics()
+    m.observe_vision_batch(2, [0.01, 0.02])
+    snap = m.snapshot({"num_requests_running": 1, "vision_queue_depth": 3})
+    both = {"instance": "w1", "serves": ["llm", "vision"], "model_name": "smol", "vision_model_name": "yolo"}
+    vision_only = {"instance": "w2", "serves": ["vision"], "vision_model_name": "yolo"}
+    text = metrics.render([{**both, "metrics": snap}, {**vision_only, "metrics": snap}]).decode()
+    seen = set()
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if "model_name" in s.labels:
+                vision = fam.name.startswith("tandem:vision_")
+                assert s.labels["model_name"] == ("yolo" if vision else "smol"), s
+                assert vision or s.labels["tandem_instance"] == "w1", f"an LLM series for a vision-only worker: {s}"
+                seen.add((fam.name, s.labels["tandem_instance"]))
+    assert ("tandem:vision_batches", "w2") in seen and ("tandem:num_requests_running", "w1") in seen

@@ -70,8 +70,14 @@ def _on_worker_init(sender=None, **_) -> None:
     if getattr(sender, "app", None) is not app or "prefork" in str(getattr(sender, "pool_cls", "")).lower():
         return
     from workers import host
+    from workers.settings import model_queue
 
-    host.start_host(app, consumed_queues(sender), getattr(sender, "hostname", ""))
+    queues = consumed_queues(sender)
+    started = host.start_host(app, queues, getattr(sender, "hostname", ""))
+    if started.model_name is not None and (queues is None or "llm" in queues):
+        # The consumer starts after this signal: it then takes the jobs that name this worker's
+        # model too (a plain `celery -A workers.app worker -Q llm` as well as `tandem worker`).
+        sender.app.amqp.queues.select_add(model_queue(started.model_name))
 
 
 @signals.worker_process_init.connect

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 
 from workers.jobspec import parse_detect, parse_generate
-from workers.settings import JobSettings
+from workers.settings import JobSettings, model_queue
 from workers.store import FINAL_STATES, JobStore, check_job_id, parse_event
 
 BLOCK_MS = 2000
@@ -71,17 +71,25 @@ class JobClient:
         priority: int = 0,
         deadline_s: float | None = None,
         job_id: str | None = None,
-        queue: str = "llm",
+        queue: str | None = None,
+        model: str | None = None,
         ttl_s: int | None = None,
+        owner: str | None = None,
         **sampling,
     ) -> str:
         """Queue a generation; returns its job id once the job is recorded and its Celery
         message queued, in one atomic step (durable with Redis's appendfsync always). Bad
-        fields raise ValueError here."""
+        fields raise ValueError here. `model`: the served name of the model to run it (its
+        queue, settings.model_queue); neither model nor queue: the plain `llm` queue, which
+        any LLM worker runs on its model."""
+        if model is not None and queue is not None:
+            raise ValueError(f"model: give a model or a queue, not both (got {model!r} and {queue!r})")
+        queue = model_queue(model) if model is not None else (queue or "llm")
         kwargs = {"prompt": prompt, "messages": messages, "priority": priority or None, "deadline_s": deadline_s}
         kwargs = {k: v for k, v in {**kwargs, **sampling}.items() if v is not None}
         spec = parse_generate(kwargs)
-        return self._submit("tandem.generate", kwargs, job_id, queue, ttl_s, spec.params.max_tokens, priority)
+        max_tokens = spec.params.max_tokens if isinstance(spec.params.max_tokens, int) else 0
+        return self._submit("tandem.generate", kwargs, job_id, queue, ttl_s, max_tokens, priority, owner)
 
     def submit_detect(
         self,
@@ -94,16 +102,25 @@ class JobClient:
         job_id: str | None = None,
         queue: str = "vision",
         ttl_s: int | None = None,
+        owner: str | None = None,
     ) -> str:
         """Queue a detection on one image (base64 bytes, an allowed URL, or a path under the
         worker's TANDEM_ALLOWED_ROOTS); its result is the `tandem detect` record."""
         kwargs = {"image": image, "url": url, "path": path, "priority": priority or None, "deadline_s": deadline_s}
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         parse_detect(kwargs)
-        return self._submit("tandem.detect", kwargs, job_id, queue, ttl_s, 0, priority)
+        return self._submit("tandem.detect", kwargs, job_id, queue, ttl_s, 0, priority, owner)
 
     def _submit(
-        self, task: str, kwargs: dict, job_id: str | None, queue: str, ttl_s: int | None, max_tokens: int, priority: int
+        self,
+        task: str,
+        kwargs: dict,
+        job_id: str | None,
+        queue: str,
+        ttl_s: int | None,
+        max_tokens: int,
+        priority: int,
+        owner: str | None = None,
     ) -> str:
         job_id = check_job_id(job_id) if job_id is not None else uuid.uuid4().hex
         ttl = ttl_s if ttl_s is not None else self.settings.job_ttl_s
@@ -111,21 +128,21 @@ class JobClient:
             raise ValueError(f"ttl_s must be an integer >= 1, got {ttl!r}")
         if not isinstance(queue, str) or not queue:
             raise ValueError(f"queue must be a non-empty string, got {queue!r}")
-        self.store.submit(job_id, task, queue, kwargs, ttl_s=ttl, max_tokens=max_tokens, priority=priority)
+        self.store.submit(job_id, task, queue, kwargs, ttl_s=ttl, max_tokens=max_tokens, priority=priority, owner=owner)
         return job_id
 
     # ---- read -----------------------------------------------------------------------------------
 
-    def _record(self, job_id: str) -> dict:
-        rec = self.store.record(job_id)
+    def _record(self, job_id: str, owner: str | None = None) -> dict:
+        rec = self.store.record_for(job_id, owner)
         if not rec:
             raise JobNotFoundError(job_id)
         return rec
 
-    def status(self, job_id: str) -> dict:
+    def status(self, job_id: str, owner: str | None = None) -> dict:
         """{job_id, state, queue, position (queued: jobs ahead on its queue), progress
         (tokens made / max_tokens), attempts, worker, error, timings (epoch seconds)}."""
-        rec = self._record(job_id)
+        rec = self._record(job_id, owner)
         state = rec["state"]
         out = {
             "job_id": job_id,
@@ -143,9 +160,10 @@ class JobClient:
             out["cancelling"] = True
         return out
 
-    def result(self, job_id: str, timeout: float | None = None) -> dict:
+    def result(self, job_id: str, timeout: float | None = None, owner: str | None = None) -> dict:
         """The task's result dict once the job is done. Raises JobError (failed),
-        JobCancelledError, JobNotFoundError or TimeoutError."""
+        JobCancelledError, JobNotFoundError (none, or another owner's) or TimeoutError."""
+        self._record(job_id, owner)
         final = self._wait([job_id], timeout).get(job_id)
         if final is None:
             raise TimeoutError(f"job {job_id} did not finish within {timeout} s")
@@ -176,12 +194,14 @@ class JobClient:
                 break
         return done
 
-    def stream(self, job_id: str, after: str | None = None, timeout: float | None = None) -> Iterator[dict]:
+    def stream(
+        self, job_id: str, after: str | None = None, timeout: float | None = None, owner: str | None = None
+    ) -> Iterator[dict]:
         """Events of the job as they are made: {"id", "type", "token_ids", "text", ...} with
         type "token", "restarted" (a worker died; the job goes on from token `resumed_from`),
         and last "done", "failed" or "cancelled". Pass the last `id` you saw as `after` to
         resume: nothing is lost or repeated. A finished job's stream replays in full."""
-        self._record(job_id)
+        self._record(job_id, owner)
         last = after or "0-0"
         deadline = None if timeout is None else time.monotonic() + timeout
         block_ms: int | None = None  # the first read never blocks: a finished job needs no wait
@@ -193,18 +213,18 @@ class JobClient:
                 yield event
                 if event["type"] in FINAL_STATES:
                     return
-            if not entries and self._record(job_id)["state"] in FINAL_STATES:
+            if not entries and self._record(job_id, owner)["state"] in FINAL_STATES:
                 if not self.store.read_events(job_id, last, block_ms=None):
                     return  # resumed after the final event: nothing more will come
             block_ms = _block_ms(deadline)
             if block_ms <= 0:
                 raise TimeoutError(f"no final event from job {job_id} within {timeout} s")
 
-    def cancel(self, job_id: str) -> bool:
+    def cancel(self, job_id: str, owner: str | None = None) -> bool:
         """Cancel a job: a queued one never runs, a running one stops within one engine step
         (its KV blocks freed). True if it is (or is becoming) cancelled, False if it had
         already ended."""
-        outcome = self.store.cancel(job_id)
+        outcome = self.store.cancel(job_id, owner)
         if outcome == "missing":
             raise JobNotFoundError(job_id)
         return outcome in ("cancelled", "cancelling")

@@ -42,6 +42,14 @@ class Cancelled(Exception):
     """The job was cancelled while this worker ran it."""
 
 
+class Abandoned(Exception):
+    """This worker's Runtime broke under the job: the job is not the job's fault, so no final
+    state is written; it runs again elsewhere once this worker's lease is gone."""
+
+
+EXIT_RUNTIME_BROKEN = 70  # EX_SOFTWARE: a supervisor restarts the worker
+
+
 class ActiveJob:
     """One job this worker runs: its claim and whatever runs it in the Runtime."""
 
@@ -53,6 +61,7 @@ class ActiveJob:
         "submitted_at",
         "claimed_at",
         "prompt_token_ids",
+        "queue",
         "work",
         "cancel_requested",
         "fenced",
@@ -67,6 +76,7 @@ class ActiveJob:
         self.submitted_at = claim.submitted_at
         self.claimed_at = time.time()
         self.prompt_token_ids = claim.prompt_token_ids  # the first attempt's, for a resumed one
+        self.queue = ""  # the queue its message came on (`llm.NAME` names the model)
         self.work: Any = None  # a GenerationHandle or a Future
         self.cancel_requested = False
         self.fenced = False
@@ -136,6 +146,7 @@ class WorkerHost:
         self.worker_id = f"{name or socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._factory = runtime_factory
         self.runtime: Any = None
+        self.model_name: str | None = None  # the served name of the Runtime's LLM, once loaded
         self.active: dict[str, ActiveJob | None] = {}  # None: reserved, not yet claimed
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -151,6 +162,8 @@ class WorkerHost:
         self._spawn(self._lease_loop, "tandem-lease")
         t0 = time.monotonic()
         self.runtime = self._factory()
+        if getattr(self.runtime, "llm", None) is not None:
+            self.model_name = served_model_name(self.runtime.llm.config.model)
         log.info("worker %s: runtime ready in %.1f s", self.worker_id, time.monotonic() - t0)
         self._publish_metrics()  # now: `tandem serve` learns this worker's model at once
         self.writer = EventWriter(self.store)
@@ -227,9 +240,36 @@ class WorkerHost:
 
     # ---- the lease thread ---------------------------------------------------------------------
 
+    def runtime_broken(self) -> str | None:
+        rt = self.runtime
+        return getattr(rt, "broken", None) if rt is not None else None
+
+    def _leave_broken(self, reason: str) -> None:
+        """The Runtime broke: stop taking jobs and leave with EXIT_RUNTIME_BROKEN, so that a
+        supervisor starts a fresh worker. The lease is dropped first, so that the jobs this
+        worker held are queued again at once by the other workers' reapers (the usual lease
+        rules), and the messages it had prefetched by their orphan sweeps."""
+        log.error(
+            "worker %s: its runtime broke (%s); leaving with exit code %d", self.worker_id, reason, EXIT_RUNTIME_BROKEN
+        )
+        self._stop.set()
+        try:
+            metrics.withdraw(self.store.redis, self.worker_id)
+            self.store.release(self.worker_id)
+        except Exception:  # noqa: BLE001 - Redis away: the lease expires by itself
+            pass
+        logging.shutdown()
+        # Not Celery's warm shutdown: that waits for every task, and a broken Runtime may never
+        # answer them. Nothing here is worth saving: every write is fenced by the claim.
+        os._exit(EXIT_RUNTIME_BROKEN)
+
     def _lease_loop(self) -> None:
         connected_since: float | None = time.monotonic()
         while not self._stop.wait(self.settings.heartbeat_s):
+            broken = self.runtime_broken()
+            if broken is not None:
+                self._leave_broken(broken)
+                return
             try:
                 self.store.heartbeat(self.worker_id)
                 self.store.hold(self.worker_id, _reserved_ids())
@@ -255,8 +295,7 @@ class WorkerHost:
         rt = self.runtime
         if rt is None:
             return None
-        name = served_model_name(rt.llm.config.model) if rt.llm is not None else None
-        return {**metrics.runtime_payload(rt, name), "worker": self.worker_id}
+        return {**metrics.runtime_payload(rt, self.model_name), "worker": self.worker_id}
 
     def _publish_metrics(self) -> None:
         payload = self.metrics_payload()

@@ -10,6 +10,7 @@ stream goes on without a token twice or missing; the `restarted` event marks the
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from dataclasses import replace
 from runtime.vision.records import detection_record
 from workers.host import ActiveJob, Cancelled, Fenced, WorkerHost
 from workers.jobspec import allowed_path, allowed_url, decode_image_b64, parse_detect, parse_generate
+from workers.settings import MODEL_QUEUE_PREFIX, model_queue
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -68,6 +70,7 @@ def _run_reserved(host: WorkerHost, task: str, job_id: str, queue: str, kwargs: 
     if claim.outcome == "final":
         return final_result(host, job_id)
     job = ActiveJob(job_id, token, claim)
+    job.queue = queue
     host.activate(job)
     result, error, state, trailing, exc_type = None, "", "done", "", RuntimeError
     try:
@@ -79,11 +82,16 @@ def _run_reserved(host: WorkerHost, task: str, job_id: str, queue: str, kwargs: 
     except ValueError as exc:  # a bad field: the message names it
         state, error, exc_type = "failed", str(exc), ValueError
     except Exception as exc:  # noqa: BLE001 - fail this job, keep serving the rest
+        if host.runtime_broken() is not None:
+            # The worker's failure, not the job's: write no final state. The host leaves
+            # (host._leave_broken) and the job runs again on another worker.
+            raise Duplicate(f"job {job_id} abandoned: this worker's runtime broke ({exc})") from None
         state, error = "failed", f"{type(exc).__name__}: {exc}"
     reason = result.get("finish_reason", "") if result else ("abort" if state != "done" else "")
     if state == "failed" and exc_type is ValueError:
         reason = "invalid_request"  # the caller's input, not the worker: `tandem serve` answers 400
-    if not host.writer.finish(job, state, result, error, reason or "", trailing).result():
+    stop = result.get("stop_reason") if result else None
+    if not host.writer.finish(job, state, result, error, reason or "", trailing, stop).result():
         raise Duplicate(f"job {job_id} moved to another worker before it finished here")
     host.count(state)
     if state == "done":
@@ -123,22 +131,42 @@ def _time_left(job: ActiveJob, deadline_s: float | None) -> float | None:
     return remaining
 
 
+def _check_model(host: WorkerHost, job: ActiveJob) -> None:
+    """A job on `llm.NAME` asks for model NAME: refuse it on a worker serving another (a
+    misrouted message must not answer with the wrong model)."""
+    if job.queue.startswith(MODEL_QUEUE_PREFIX) and job.queue != model_queue(host.model_name or "-"):
+        asked = job.queue[len(MODEL_QUEUE_PREFIX) :]
+        raise RuntimeError(f"model {asked!r} is not served by this worker (it serves {host.model_name!r})")
+
+
 def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict, str]:
     spec = parse_generate(kwargs)
     rt = _runtime_serving(host, "llm", "an LLM (start it with the llm queue)")
+    _check_model(host, job)
     remaining = _time_left(job, spec.deadline_s)
     prompt, params = spec.prompt, spec.params
     prefix_ids: list[int] = []
     prefix_text = ""
+    prefix_logprobs: list[dict] | None = None
     rec = None
     if job.resumed_from:
         rec = host.store.record(job.job_id)  # the first attempt's timings
-        prefix_ids, prefix_text = host.store.prefix_tokens(job.job_id)
+        prefix_ids, prefix_text, prefix_logprobs = host.store.prefix(job.job_id)
         reason = _finished_already(rt, params, prefix_ids)
         if reason is not None:
-            return _result(host.worker_id, job, rec, job.prompt_token_ids, prefix_ids, prefix_text, reason, None), ""
+            result = _result(host.worker_id, job, rec, job.prompt_token_ids, prefix_ids, prefix_text, reason, None)
+            result["logprobs"] = prefix_logprobs if getattr(params, "logprobs", None) is not None else None
+            result["stop_reason"] = _stop_reason_of(params, prefix_ids, prefix_text) if reason == "stop" else None
+            return result, ""
         n = len(prefix_ids)
-        params = replace(params, max_tokens=params.max_tokens - n, min_tokens=max(0, params.min_tokens - n))
+        left = None if params.max_tokens is None else params.max_tokens - n  # None: what the context leaves
+        params = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - n))
+        if params.seed is not None:
+            from runtime.llm.sampler import resumed_seed
+
+            # Contract E: the k-th token of this attempt draws what the (n + k)-th of the first
+            # would have, so a seeded job's tokens do not depend on its worker dying.
+            params = replace(params, seed=resumed_seed(params.seed, n))
         prompt = job.prompt_token_ids + prefix_ids
     handle = rt.submit_generate(
         prompt, params, priority=spec.priority, deadline_s=remaining, request_id=f"{job.job_id}#{job.attempt}"
@@ -154,7 +182,9 @@ def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict,
             new = out.token_ids[sent:]
             if new:
                 start = len(prefix_ids) + sent
-                host.writer.emit(job, start, new, out.delta_text, out.prompt_token_ids if start == 0 else None)
+                lp = _new_logprobs(out, sent, len(new))
+                prompt_ids = out.prompt_token_ids if start == 0 else None
+                host.writer.emit(job, start, new, out.delta_text, prompt_ids, lp)
                 if first_token_at is None:
                     first_token_at = time.time()
                 sent += len(new)
@@ -174,12 +204,36 @@ def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict,
     prompt_ids = job.prompt_token_ids if job.resumed_from else out.prompt_token_ids
     ids, text = prefix_ids + out.token_ids, prefix_text + out.text
     result = _result(host.worker_id, job, rec, prompt_ids, ids, text, out.finish_reason, out, first_token_at)
+    logprobs = getattr(out, "logprobs", None)
+    result["logprobs"] = None if logprobs is None else (prefix_logprobs or []) + list(logprobs)
+    result["stop_reason"] = getattr(out, "stop_reason", None)
     return result, trailing
+
+
+def _new_logprobs(out, sent: int, count: int) -> list[dict] | None:
+    """The logprobs of out.token_ids[sent:sent + count] (contract B), None when none were asked."""
+    whole = getattr(out, "logprobs", None)  # one per token generated so far
+    if whole is not None and len(whole) >= sent + count:
+        return whole[sent : sent + count]
+    delta = getattr(out, "delta_logprobs", None)  # those of the outputs merged into this one
+    if delta is not None and len(delta) >= count:
+        return delta[len(delta) - count :]
+    return None
+
+
+def _stop_reason_of(params, ids: list[int], text: str) -> str | int | None:
+    """What ended a generation whose last attempt stopped it (the stop token id or string)."""
+    if ids and ids[-1] in set(params.stop_token_ids):
+        return ids[-1]
+    for s in params.stop:
+        if s in text:
+            return s
+    return None
 
 
 def _finished_already(rt, params, ids: list[int]) -> str | None:
     """Did the previous attempt make the job's last token before its worker died?"""
-    if len(ids) >= params.max_tokens:
+    if params.max_tokens is not None and len(ids) >= params.max_tokens:
         return "length"
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos:
@@ -250,7 +304,7 @@ def detect_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict, s
         source = item = allowed_path(spec.value, settings.allowed_roots)
     elif spec.kind == "url":
         source = allowed_url(spec.value, settings.allowed_url_prefixes)
-        item = decode_upload(fetch_image(source), "url", limit)
+        item = decode_upload(fetch_image(source, settings.allowed_url_prefixes), "url", limit)
     else:
         source, item = "image", decode_upload(decode_image_b64(spec.value), "image", limit)
     remaining = _time_left(job, spec.deadline_s)
@@ -282,15 +336,9 @@ def decode_upload(data: bytes, field: str, max_pixels: int | None = None):
     return decode_image(data, field, DEFAULT_MAX_IMAGE_PIXELS if max_pixels is None else max_pixels)
 
 
-def fetch_image(url: str, limit: int = 32 << 20, timeout: float = 10.0) -> bytes:
-    from urllib.request import HTTPRedirectHandler, build_opener
+def fetch_image(url: str, prefixes: tuple[str, ...], env=None) -> bytes:
+    """The bytes at `url` through the URL guard (workers/urlguard.py): the checked address is
+    dialled, every redirect re-checked, size and time limited; ValueError naming url."""
+    from workers.urlguard import UrlPolicy, fetch
 
-    class _NoRedirect(HTTPRedirectHandler):
-        def redirect_request(self, *args, **kwargs):  # a redirect could leave the allowed prefixes
-            return None
-
-    with build_opener(_NoRedirect).open(url, timeout=timeout) as resp:  # the URL passed the allow-list
-        data = resp.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"url: the image is larger than {limit} bytes")
-    return data
+    return fetch(url, UrlPolicy.from_env(os.environ if env is None else env, prefixes=prefixes))

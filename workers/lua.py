@@ -33,15 +33,21 @@ local function eventskey(id) return P .. 'events:' .. id end
 local function endkey(id) return P .. 'end:' .. id end
 local function terminal(state) return state == 'done' or state == 'failed' or state == 'cancelled' end
 
-local function close_job(id, state, result, err, reason, now, maxlen, by, text)
+-- stop: the JSON of the stop string or token id that ended a generation ('' or nil: none).
+local function close_job(id, state, result, err, reason, now, maxlen, by, text, stop)
   local job = jobkey(id)
   local q = redis.call('HGET', job, 'queue') or ''
   local n = redis.call('HGET', job, 'num_tokens') or '0'
   redis.call('HSET', job, 'state', state, 'error', err, 'finish_reason', reason,
              'finished_at', now, 'owner', '', 'finished_by', by)
   redis.call('HDEL', job, 'message')
-  redis.call('XADD', eventskey(id), 'MAXLEN', '~', maxlen, '*', 'type', state, 'token_ids', '[]',
-             'text', text, 'finish_reason', reason, 'error', err, 'num_tokens', n)
+  local fields = {'type', state, 'token_ids', '[]', 'text', text, 'finish_reason', reason, 'error', err,
+                  'num_tokens', n}
+  if stop and stop ~= '' then
+    table.insert(fields, 'stop_reason')
+    table.insert(fields, stop)
+  end
+  redis.call('XADD', eventskey(id), 'MAXLEN', '~', maxlen, '*', unpack(fields))
   redis.call('XADD', endkey(id), '*', 'state', state, 'result', result, 'error', err)
   redis.call('ZREM', P .. 'running', id)
   redis.call('ZREM', P .. 'queued:' .. q, id)
@@ -73,18 +79,22 @@ local function republish(id)
 end
 """
 
-# ARGV: prefix, id, task, queue, digest, message, broker list, now, ttl, max_tokens
-# -> {'new'|'exists', state}; {'conflict', state} when the id was used with other arguments.
+# ARGV: prefix, id, task, queue, digest, message, broker list, now, ttl, max_tokens, submitter|''
+# -> {'new'|'exists', state}; {'conflict', state} when the id was used with other arguments;
+#    {'owned', ''} when another submitter (contract G's owner) holds the id.
 SUBMIT = (
     _PRELUDE
     + r"""
-local id = ARGV[2]
+local id, caller = ARGV[2], ARGV[11] or ''
 local state = redis.call('HGET', jobkey(id), 'state')
 if state then
+  -- Another caller's job id: refused without saying anything of the job (its state stays theirs).
+  if (redis.call('HGET', jobkey(id), 'submitter') or '') ~= caller then return {'owned', ''} end
   if redis.call('HGET', jobkey(id), 'digest') ~= ARGV[5] then return {'conflict', state} end
   return {'exists', state}
 end
 create_job(id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[8], ARGV[9], ARGV[10])
+if caller ~= '' then redis.call('HSET', jobkey(id), 'submitter', caller) end
 redis.call('LPUSH', ARGV[7], ARGV[6])
 return {'new', 'queued'}
 """
@@ -130,7 +140,7 @@ return claimed()
 """
 )
 
-# ARGV: prefix, id, token, start, count, token_ids_json, text, prompt_ids_json|'', now, maxlen
+# ARGV: prefix, id, token, start, count, token_ids_json, text, prompt_ids_json|'', now, maxlen, logprobs_json|''
 # -> 1 written (or already written by a retry of this call), 0 fenced out, -1 out of order
 EMIT = (
     _PRELUDE
@@ -142,8 +152,13 @@ local have = tonumber(redis.call('HGET', job, 'num_tokens'))
 local start, count = tonumber(ARGV[4]), tonumber(ARGV[5])
 if have >= start + count then return 1 end
 if have ~= start then return -1 end
-redis.call('XADD', eventskey(id), 'MAXLEN', '~', ARGV[10], '*', 'type', 'token',
-           'attempt', redis.call('HGET', job, 'attempt'), 'index', start, 'token_ids', ARGV[6], 'text', ARGV[7])
+local fields = {'type', 'token', 'attempt', redis.call('HGET', job, 'attempt'), 'index', start,
+                'token_ids', ARGV[6], 'text', ARGV[7]}
+if ARGV[11] and ARGV[11] ~= '' then
+  table.insert(fields, 'logprobs')  -- a JSON list aligned with token_ids (the job asked for them)
+  table.insert(fields, ARGV[11])
+end
+redis.call('XADD', eventskey(id), 'MAXLEN', '~', ARGV[10], '*', unpack(fields))
 redis.call('HSET', job, 'num_tokens', start + count)
 if have == 0 then redis.call('HSET', job, 'first_token_at', ARGV[9]) end
 if ARGV[8] ~= '' then redis.call('HSET', job, 'prompt_token_ids', ARGV[8]) end
@@ -151,7 +166,8 @@ return 1
 """
 )
 
-# ARGV: prefix, id, token, state, result_json, error, finish_reason, now, maxlen, trailing text
+# ARGV: prefix, id, token, state, result_json, error, finish_reason, now, maxlen, trailing text,
+#       stop_reason_json|''
 # -> 1 final now (or already, by this claim), 0 fenced out
 FINISH = (
     _PRELUDE
@@ -161,12 +177,13 @@ local job = jobkey(id)
 local state = redis.call('HGET', job, 'state')
 if terminal(state) then return redis.call('HGET', job, 'finished_by') == token and 1 or 0 end
 if state ~= 'running' or redis.call('HGET', job, 'token') ~= token then return 0 end
-close_job(id, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], token, ARGV[10])
+close_job(id, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], token, ARGV[10], ARGV[11])
 return 1
 """
 )
 
-# ARGV: prefix, id, now, maxlen -> 'missing' | 'cancelled' | 'cancelling' | 'final:<the state it already had>'
+# ARGV: prefix, id, now, maxlen, submitter|'' -> 'missing' (none, or another submitter's) | 'cancelled' |
+#       'cancelling' | 'final:<the state it already had>'
 CANCEL = (
     _PRELUDE
     + r"""
@@ -174,6 +191,8 @@ local id, now, maxlen = ARGV[2], ARGV[3], ARGV[4]
 local job = jobkey(id)
 local state = redis.call('HGET', job, 'state')
 if not state then return 'missing' end
+local submitter = redis.call('HGET', job, 'submitter') or ''
+if submitter ~= '' and submitter ~= (ARGV[5] or '') then return 'missing' end  -- another's job
 if terminal(state) then return 'final:' .. state end
 redis.call('HSET', job, 'cancel', 1)
 local owner = redis.call('HGET', job, 'owner')

@@ -17,6 +17,16 @@ from dataclasses import dataclass, fields
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 QUEUES = ("llm", "vision")  # tandem.generate goes to llm, tandem.detect to vision (app.ROUTES)
+MODEL_QUEUE_PREFIX = "llm."
+
+
+def model_queue(model_name: str) -> str:
+    """The queue of one served model's jobs: every worker serving `model_name` consumes it (and
+    the plain `llm` queue too, which any LLM worker runs on its model: the queue of a fleet that
+    serves one model, and of callers that name none)."""
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError(f"model must be a non-empty string, got {model_name!r}")
+    return MODEL_QUEUE_PREFIX + model_name
 
 
 def _number(name: str, value: object, low: float) -> None:

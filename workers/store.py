@@ -71,10 +71,23 @@ def broker_priority(priority: int) -> int:
     return 0 if priority < 0 else 3 if priority == 0 else 6 if priority < 10 else 9
 
 
+class JobOwnedError(ValueError):
+    """The job id belongs to another owner (contract G): refused, 409, saying nothing of it."""
+
+
 def submit_args(
-    job_id: str, task: str, queue: str, kwargs: dict, *, ttl_s: int, max_tokens: int, priority: int = 0
+    job_id: str,
+    task: str,
+    queue: str,
+    kwargs: dict,
+    *,
+    ttl_s: int,
+    max_tokens: int,
+    priority: int = 0,
+    owner: str | None = None,
 ) -> list:
-    """ARGV of the SUBMIT script (lua.py), for a client on either Redis API, sync or asyncio."""
+    """ARGV of the SUBMIT script (lua.py), for a client on either Redis API, sync or asyncio.
+    `owner`: who submits (None: nobody in particular); a job with an owner is the owner's only."""
     step = broker_priority(priority)
     message = task_message(task, job_id, kwargs, queue, step, ignore_result=True)
     return [
@@ -88,10 +101,13 @@ def submit_args(
         time.time(),
         ttl_s,
         max_tokens,
+        owner or "",
     ]
 
 
 def submit_outcome(job_id: str, outcome: str, state: str) -> tuple[bool, str]:
+    if outcome == "owned":
+        raise JobOwnedError(f"job_id {job_id!r} is already used by another caller's job; choose another")
     if outcome == "conflict":
         raise ValueError(f"job_id {job_id!r} is already used by a job with other arguments (state {state})")
     return outcome == "new", state
@@ -149,15 +165,34 @@ class JobStore:
     # ---- clients ----------------------------------------------------------------------------
 
     def submit(
-        self, job_id: str, task: str, queue: str, kwargs: dict, *, ttl_s: int, max_tokens: int, priority: int = 0
+        self,
+        job_id: str,
+        task: str,
+        queue: str,
+        kwargs: dict,
+        *,
+        ttl_s: int,
+        max_tokens: int,
+        priority: int = 0,
+        owner: str | None = None,
     ) -> tuple[bool, str]:
         """Record a job and queue its Celery message, in one script. Returns (created, state).
-        The same id with the same arguments is the same job; with others it is a ValueError."""
-        args = submit_args(job_id, task, queue, kwargs, ttl_s=ttl_s, max_tokens=max_tokens, priority=priority)
+        The same id with the same arguments is the same job; with others it is a ValueError;
+        under another owner a JobOwnedError."""
+        args = submit_args(
+            job_id, task, queue, kwargs, ttl_s=ttl_s, max_tokens=max_tokens, priority=priority, owner=owner
+        )
         return submit_outcome(job_id, *self.retrying(lambda: self._submit(args=args), "submit"))
 
     def record(self, job_id: str) -> dict[str, str]:
+        """The job's record, whoever owns it (workers, reapers); {} when there is none."""
         return self.retrying(lambda: self.redis.hgetall(job_key(job_id)), "record")
+
+    def record_for(self, job_id: str, owner: str | None) -> dict[str, str]:
+        """The job's record as `owner` sees it: {} when there is none, or when it is another
+        owner's (a job with an owner is invisible to everyone else)."""
+        rec = self.record(job_id)
+        return rec if visible(rec, owner) else {}
 
     def missing(self, job_ids: list[str]) -> list[str]:
         """The ids among `job_ids` with no record (never submitted, or expired)."""
@@ -173,8 +208,8 @@ class JobStore:
     def queue_position(self, queue: str, job_id: str) -> int | None:
         return self.retrying(lambda: self.redis.zrank(f"{PREFIX}queued:{queue}", job_id), "queue_position")
 
-    def cancel(self, job_id: str) -> str:
-        args = [PREFIX, job_id, time.time(), self.settings.stream_maxlen]
+    def cancel(self, job_id: str, owner: str | None = None) -> str:
+        args = [PREFIX, job_id, time.time(), self.settings.stream_maxlen, owner or ""]
         return self.retrying(lambda: self._cancel(args=args), "cancel")
 
     def read_events(self, job_id: str, after: str, block_ms: int | None, count: int = 512) -> list[tuple[str, dict]]:
@@ -243,6 +278,7 @@ class JobStore:
         text: str,
         prompt_token_ids: list[int] | None,
         at: float | None = None,
+        logprobs: list[dict] | None = None,
     ) -> list:
         prompt = json.dumps(prompt_token_ids) if prompt_token_ids is not None else ""
         return [
@@ -256,6 +292,7 @@ class JobStore:
             prompt,
             time.time() if at is None else at,
             self.settings.stream_maxlen,
+            json.dumps(logprobs) if logprobs is not None else "",
         ]
 
     def finish_args(
@@ -267,6 +304,7 @@ class JobStore:
         error: str = "",
         finish_reason: str = "",
         text: str = "",
+        stop_reason: str | int | None = None,
     ) -> list:
         assert state in FINAL_STATES
         body = json.dumps(result) if result is not None else ""
@@ -281,6 +319,7 @@ class JobStore:
             time.time(),
             self.settings.stream_maxlen,
             text,
+            json.dumps(stop_reason) if stop_reason is not None else "",  # JSON: a stop string or a token id
         ]
 
     def run_scripts(self, calls: list[tuple[str, list]]) -> list[int]:
@@ -392,13 +431,28 @@ class JobStore:
 
     def prefix_tokens(self, job_id: str) -> tuple[list[int], str]:
         """The token ids and text already streamed by earlier attempts, in order."""
+        ids, text, _ = self.prefix(job_id)
+        return ids, text
+
+    def prefix(self, job_id: str) -> tuple[list[int], str, list[dict] | None]:
+        """The token ids, text and logprobs (None where the events carry none) already streamed
+        by earlier attempts, in order."""
         ids: list[int] = []
         parts: list[str] = []
+        logprobs: list[dict] | None = None
         for _, ev in self.retrying(lambda: self.redis.xrange(events_key(job_id)), "prefix_tokens"):
             if ev.get("type") == "token":
                 ids.extend(json.loads(ev["token_ids"]))
                 parts.append(ev.get("text", ""))
-        return ids, "".join(parts)
+                if ev.get("logprobs"):
+                    logprobs = (logprobs or []) + json.loads(ev["logprobs"])
+        return ids, "".join(parts), logprobs
+
+
+def visible(rec: dict, owner: str | None) -> bool:
+    """May `owner` see this job record? A job without an owner is everyone's."""
+    submitter = rec.get("submitter") or ""
+    return not submitter or submitter == (owner or "")
 
 
 def _streams(reply) -> list:
@@ -419,6 +473,9 @@ def parse_event(event_id: str, fields: dict[str, str]) -> dict:
     if "token_ids" in fields:
         ev["token_ids"] = json.loads(fields["token_ids"])
         ev["text"] = fields.get("text", "")
+    for name in ("logprobs", "stop_reason"):  # JSON: a list aligned with token_ids; a string or an id
+        if fields.get(name):
+            ev[name] = json.loads(fields[name])
     for name in ("finish_reason", "error", "worker"):
         if fields.get(name):
             ev[name] = fields[name]

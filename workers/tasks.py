@@ -54,3 +54,18 @@ def tandem_stats(state, **_) -> dict:
     from workers.host import host_stats
 
     return host_stats()
+
+
+@inspect_command(name="tandem_fault", args=[("reason", str)])
+def tandem_fault(state, reason: str = "fault drill", **_) -> dict:
+    """Break this worker's Runtime as an error its loop cannot survive would: the drill for what a
+    worker does then (it leaves with host.EXIT_RUNTIME_BROKEN and its jobs run elsewhere). Only
+    on a worker started with TANDEM_ALLOW_FAULTS=1; any other refuses."""
+    import os
+
+    from workers.host import current_host
+
+    if os.environ.get("TANDEM_ALLOW_FAULTS") != "1":
+        return {"error": "this worker allows no fault drills (TANDEM_ALLOW_FAULTS=1)"}
+    current_host().runtime.fail_loop(reason)
+    return {"ok": True}

@@ -3,6 +3,12 @@
     tandem worker                                   # queues llm and vision, embedded defaults
     tandem worker --queues llm --dtype bfloat16 --max-num-seqs 32
     tandem worker --queues vision --vision-model yolo26n.pt --imgsz 640
+    tandem worker --queues llm --model smol=/models/SmolLM2     # served as "smol"
+
+A worker serving model NAME consumes the queue `llm.NAME` (settings.model_queue), where `tandem
+serve` sends the requests that name it, and the plain `llm` queue, which it runs on its model.
+One worker process serves one model: the device's memory manager holds one KV pool (start one
+worker per model; many workers of one model share its queue).
 
 It runs Celery's threads pool: many tasks wait at once on one Runtime, so concurrent jobs
 share one continuous batch. Concurrency (and so prefetch, at one message per thread) is sized
@@ -40,7 +46,17 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
         help="the model name clients ask for (default: the model's file name; SmolLM2-135M-Instruct)",
     )
     p.add_argument("--allowed-roots", default=None, help=f"{os.pathsep}-separated folders tandem.detect may read")
-    add_engine_arguments(p.add_argument_group("llm"))
+    # "resolve": the engine's --model (one PATH) is replaced by the worker's repeatable [NAME=]PATH.
+    llm = p.add_argument_group("llm", conflict_handler="resolve")
+    add_engine_arguments(llm)
+    llm.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        metavar="[NAME=]PATH",
+        help="local HF folder or .gguf file, served as NAME (default name: the file's; default model: "
+        "SmolLM2-135M-Instruct). One per worker process today",
+    )
     g = p.add_argument_group("vision")
     g.add_argument(
         "--vision-model",
@@ -53,14 +69,41 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-profile", action="store_true", help="skip start-up profiling (faster start)")
 
 
+def parse_model_flag(values: list[str] | str | None) -> tuple[str | None, str | None]:
+    """(NAME or None, PATH or None) from the --model flags; ValueError names the flag."""
+    if values is None:
+        return None, None
+    values = [values] if isinstance(values, str) else list(values)
+    if len(values) > 1:
+        raise ValueError(
+            f"--model: one worker process serves one model (the device's memory manager holds one KV "
+            f"pool); start one worker per model, got {len(values)}: {values}"
+        )
+    value = values[0]
+    name, sep, path = value.partition("=")
+    if not sep or os.path.exists(value):  # a plain PATH (one that holds '=' too, if it exists)
+        return None, value
+    if not name or not path:
+        raise ValueError(f"--model must be PATH or NAME=PATH with both parts non-empty, got {value!r}")
+    return name, path
+
+
 def worker_plan(args: argparse.Namespace) -> tuple[dict, list[str], int]:
-    """(Runtime keyword arguments, queues, concurrency) from the flags; ValueError names the flag."""
+    """(Runtime keyword arguments, queues, concurrency) from the flags; ValueError names the flag.
+    --model NAME=PATH sets args.served_model_name to NAME (the name the model is served as)."""
     queues = [q.strip() for q in args.queues.split(",") if q.strip()]
     if not queues or set(queues) - set(QUEUES):
         raise ValueError(f"--queues must name some of {list(QUEUES)}, got {args.queues!r}")
+    name, path = parse_model_flag(getattr(args, "model", None))
+    if name is not None:
+        if args.served_model_name not in (None, name):
+            raise ValueError(
+                f"--served-model-name {args.served_model_name!r} and --model {name}=... name the model twice"
+            )
+        args.served_model_name = name
     llm = vision = None
     if "llm" in queues:
-        llm = engine_options(args)
+        llm = engine_options(argparse.Namespace(**{**vars(args), "model": path}))
     if "vision" in queues:
         batching = {"max_batch_size": args.vision_max_batch_size}
         vision = {

@@ -37,6 +37,7 @@ class _Emit:
     text: str
     prompt_token_ids: list[int] | None
     at: float  # when the tokens came (time.time()), not when they are written
+    logprobs: list[dict] | None = None  # aligned with token_ids, when the job asked for them
 
 
 @dataclass(slots=True)
@@ -53,15 +54,32 @@ class EventWriter:
         self._thread = threading.Thread(target=self._run, name="tandem-events", daemon=True)
         self._thread.start()
 
-    def emit(self, job, start: int, token_ids: list[int], text: str, prompt_token_ids: list[int] | None = None) -> None:
-        self._queue.put(_Emit(job, start, list(token_ids), text, prompt_token_ids, time.time()))
+    def emit(
+        self,
+        job,
+        start: int,
+        token_ids: list[int],
+        text: str,
+        prompt_token_ids: list[int] | None = None,
+        logprobs: list[dict] | None = None,
+    ) -> None:
+        lp = list(logprobs) if logprobs is not None else None
+        self._queue.put(_Emit(job, start, list(token_ids), text, prompt_token_ids, time.time(), lp))
 
     def finish(
-        self, job, state: str, result: dict | None, error: str = "", finish_reason: str = "", text: str = ""
+        self,
+        job,
+        state: str,
+        result: dict | None,
+        error: str = "",
+        finish_reason: str = "",
+        text: str = "",
+        stop_reason: str | int | None = None,
     ) -> Future:
         """Write the job's final state (and trailing `text` with no tokens, if any); the future
         says whether it was written (False: this worker no longer holds the job)."""
-        item = _Finish(job, self.store.finish_args(job.job_id, job.token, state, result, error, finish_reason, text))
+        args = self.store.finish_args(job.job_id, job.token, state, result, error, finish_reason, text, stop_reason)
+        item = _Finish(job, args)
         self._queue.put(item)
         return item.done
 
@@ -98,6 +116,7 @@ class EventWriter:
                     item.text,
                     item.prompt_token_ids,
                     item.at,
+                    item.logprobs,
                 )
                 calls.append(("emit", args))
             else:
@@ -133,9 +152,12 @@ def _merge(batch: list) -> list:
     for item in batch:
         if isinstance(item, _Emit):
             prev = last.get(item.job.job_id)
-            if prev is not None and prev.job is item.job and prev.start + len(prev.token_ids) == item.start:
+            mergeable = prev is not None and prev.job is item.job and prev.start + len(prev.token_ids) == item.start
+            if mergeable and (prev.logprobs is None) == (item.logprobs is None):
                 prev.token_ids.extend(item.token_ids)
                 prev.text += item.text
+                if prev.logprobs is not None:
+                    prev.logprobs.extend(item.logprobs)
                 continue
             last[item.job.job_id] = item
         else:

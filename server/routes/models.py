@@ -1,4 +1,11 @@
-"""GET /v1/models and the model a request names: what live workers serve."""
+"""GET /v1/models and the model a request names: what live workers serve.
+
+Each live worker advertises the models it serves (its metrics payload's "models", published at
+every heartbeat, runtime/metrics.py); a model is listed while at least one live worker serves
+it. A request names a model by its served name, and the backend sends the job to that model's
+queue (workers.settings.model_queue), where any of its workers takes it: a model whose workers
+are all busy queues, one that nobody serves is 404.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import time
 
 from fastapi import APIRouter, Request
 
+from server.backends import worker_models
 from server.common import ServerContext, context
 from server.protocol import APIError, Generation
 
@@ -13,24 +21,45 @@ router = APIRouter()
 
 
 async def served_models(ctx: ServerContext) -> dict[str, dict]:
+    """Served name -> {"id", "max_model_len", "model_name" (the workers' name: its queue's),
+    "num_workers"}, for the models at least one live worker serves."""
     models: dict[str, dict] = {}
     for w in await ctx.backend.workers():
-        if w.get("model_name"):
-            name = ctx.config.served_model_name or w["model_name"]
-            models.setdefault(name, {"id": name, "max_model_len": w.get("max_model_len")})
+        for m in worker_models(w):
+            entry = models.setdefault(
+                m["name"], {"id": m["name"], "model_name": m["name"], "max_model_len": m.get("max_model_len")}
+            )
+            entry["num_workers"] = entry.get("num_workers", 0) + 1
+    rename = ctx.config.served_model_name
+    if rename and len(models) == 1:  # --served-model-name: the one model answers to that name
+        (entry,) = models.values()
+        models = {rename: {**entry, "id": rename}}
+    elif rename and len(models) > 1:
+        raise APIError(
+            500,
+            f"--served-model-name {rename!r} renames the one model served, but the workers serve "
+            f"{sorted(models)}: name each with `tandem worker --model NAME=PATH` instead",
+            type_="server_error",
+        )
     return models
 
 
 async def resolve_model(ctx: ServerContext, gen: Generation) -> dict:
-    """The served model the request names (the only one, if it names none)."""
+    """The served model the request names (the only one, if it names none), and `gen.model` set
+    to the workers' name for it: what backend.generate routes by."""
     models = await served_models(ctx)
     if not models:
         raise APIError(503, "no worker serving an LLM is up yet; retry later", headers={"Retry-After": "2"})
     if gen.model is None:
-        return next(iter(models.values()))
-    if gen.model not in models:
+        if len(models) > 1:
+            raise APIError(400, f"model: required when several models are served; served: {sorted(models)}", "model")
+        served = next(iter(models.values()))
+    elif gen.model not in models:
         raise APIError(404, f"the model {gen.model!r} does not exist; served: {sorted(models)}", "model")
-    return models[gen.model]
+    else:
+        served = models[gen.model]
+    gen.model = served["model_name"]
+    return served
 
 
 @router.get("/v1/models")
