@@ -7,6 +7,7 @@ metrics, over a backend (backends.py). It only translates: requests are checked 
     POST /v1/jobs   GET /v1/jobs/{id}   GET /v1/jobs/{id}/events   DELETE /v1/jobs/{id}  routes/jobs.py
     POST /v1/detect                                 an uploaded image, or {"url"} / {"path"}  routes/detect.py
     GET  /health    GET /metrics                                                          routes/health.py
+    GET  /openapi.json                              the request bodies' schemas           openapi.py
 
 With an API key (`--api-key`, TANDEM_API_KEY), every endpoint but /health wants it as a Bearer
 token (server/common.py require_api_key).
@@ -62,8 +63,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(APIError(400, message, protocol.param_of(message)).body(), status_code=400)
 
     @app.exception_handler(ClientGone)
-    async def _client_gone(_request: Request, _exc: ClientGone) -> Response:
-        return Response(status_code=499)  # nobody to answer; its work was cancelled
+    async def _client_gone(request: Request, _exc: ClientGone) -> Response:
+        # One line, no traceback: a client going away is ordinary, and its work was cancelled.
+        log.info(
+            "client went away before its answer to %s %s; its work was cancelled", request.method, request.url.path
+        )
+        return Response(status_code=499)  # nobody to answer
 
     async def _redis_down(_request: Request, exc: Exception) -> JSONResponse:
         # A Redis restart, usually: worth a retry, and no reason for a traceback per request.

@@ -38,7 +38,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="clients must send 'Authorization: Bearer KEY' on every endpoint but /health (default: $TANDEM_API_KEY; "
         "none: no check)",
     )
-    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    p.add_argument(
+        "--keepalive", type=float, default=10.0, help="seconds between SSE keep-alive comments on a quiet stream"
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive before 408"
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers before it is closed",
+    )
+    p.add_argument("--log-level", default="warning", help="the log level of uvicorn and of tandem serve's own lines")
     add_runtime_arguments(p)  # the Runtime's flags, used with --embedded
 
 
@@ -51,6 +63,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    for flag in ("keepalive", "body_timeout", "header_timeout"):
+        v = getattr(args, flag)
+        if not 0 < v < float("inf"):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {v}")
     api_key(args)
 
 
@@ -103,8 +119,12 @@ def run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         served_model_name=args.served_model_name,
         api_key=api_key(args),
+        keepalive_s=args.keepalive,
+        body_timeout_s=args.body_timeout,
+        header_timeout_s=args.header_timeout,
     )
     app = create_app(backend, config)
+    _log_to_stderr(args.log_level)
     # Bind first, so that --port 0 can say which port it got before serving.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -116,7 +136,75 @@ def run_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     print(f"tandem serve: {backend.mode} mode, listening on http://{host}:{port}", flush=True)
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, access_log=False)
+        uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            access_log=False,
+            http=guarded_h11(config.header_timeout_s),
+        )
     )
     server.run(sockets=[sock])
     return 0
+
+
+def _log_to_stderr(level: str) -> None:
+    import logging
+
+    from server.common import log
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(level.upper())
+    log.propagate = False
+
+
+def guarded_h11(header_timeout_s: float):
+    """uvicorn's h11 protocol, plus a limit on the wait for a request's headers. uvicorn's own
+    timeout_keep_alive only runs between requests, and is disarmed by any byte received: a
+    client that opens connections and sends nothing, or one header byte every few seconds,
+    held each one forever (slowloris). The timer runs from the connection's start, and again
+    from each answer, until h11 has read a whole request head; the body has its own limit
+    (ServeConfig.body_timeout_s, in read_body)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from server.common import log
+
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._head_timer = None
+            self._arm()
+
+        def _arm(self) -> None:
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_late)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._head_timer is not None and self.conn.their_state is not h11.IDLE:
+                self._disarm()  # the request line and headers are in
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._disarm()
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                log.info("closed a connection that sent no request head within %g s", header_timeout_s)
+                self.transport.close()
+
+    return GuardedH11Protocol

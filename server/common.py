@@ -5,11 +5,13 @@ helpers that bound a wait by a deadline and by the client still being there."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
+import re
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,28 @@ class ServeConfig:
     served_model_name: str | None = None  # the name to answer to (default: what the workers serve)
     # When set, every endpoint but /health wants "Authorization: Bearer <api_key>" (vLLM's --api-key).
     api_key: str | None = None
+    # A stream with nothing to send sends an SSE comment this often, so that proxies and clients
+    # with read timeouts do not take a long prompt's wait (or a queued job) for a dead server.
+    keepalive_s: float = 10.0
+    # A request body not received in full this long after its headers gets 408 (a client that
+    # trickles its body, or never ends a chunked one, would hold the request open forever).
+    body_timeout_s: float = 30.0
+    # A connection that has not sent a request's headers this long after it opened (or after its
+    # previous answer) is closed (server/cli.py's protocol guard; uvicorn has no such limit).
+    header_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout_s", "keepalive_s", "body_timeout_s", "header_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
+
+
+# An answer before the whole body was read closes the connection: uvicorn would otherwise go on
+# reading (and dropping) the rest, forever for a chunked body that never ends.
+_CLOSE = {"Connection": "close"}
 
 
 class ClientGone(Exception):
@@ -55,26 +79,107 @@ class ServerContext:
         limit = self.config.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            raise APIError(413, f"the request body has {length} bytes; at most {limit} are allowed")
+            raise APIError(413, f"the request body has {length} bytes; at most {limit} are allowed", headers=_CLOSE)
 
     async def read_body(self, request: Request) -> bytes:
-        """The body, refused with 413 as soon as it passes the limit (chunked uploads too)."""
+        """The body, refused with 413 as soon as it passes the limit (chunked uploads too), and
+        with 408 when it has not all come within body_timeout_s."""
         self.check_length(request)
-        limit = self.config.max_body_bytes
+        limit, timeout = self.config.max_body_bytes, self.config.body_timeout_s
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"the request body is larger than {limit} bytes")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise APIError(413, f"the request body is larger than {limit} bytes", headers=_CLOSE)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(
+                408, f"the request body did not arrive within {timeout:g} s", "body", headers=_CLOSE
+            ) from None
         return b"".join(chunks)
 
     async def read_json(self, request: Request) -> Any:
         body = await self.read_body(request)
         try:
-            return json.loads(body)
+            obj = json.loads(body)
         except ValueError:
-            raise APIError(400, "the request body must be JSON", "body") from None
+            raise APIError(400, "the request body must be JSON (UTF-8)", "body") from None
+        except RecursionError:  # json's C scanner recurses per nesting level: 100,000 '[' hit the limit
+            raise APIError(400, "the request body nests too deeply", "body") from None
+        if _SURROGATE.search(body):  # only a \u escape can make one: the bytes were valid UTF-8
+            where = lone_surrogate(obj)
+            if where is not None:
+                raise APIError(400, f"{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is no text", where)
+        return obj
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate(obj: Any) -> str | None:
+    """The path (like messages[0].content) of the first string in `obj` with a lone surrogate,
+    which json.loads lets through and every encoder after it refuses; None if there is none.
+    Iterative: the body may nest as deeply as json.loads allows."""
+    todo: list[tuple[str, Any]] = [("", obj)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                todo.append((f"{path}.{k}" if path else str(k), k))  # a key may hold one too
+                todo.append((f"{path}.{k}" if path else str(k), v))
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
+
+
+def owner_of(request: Request) -> str | None:
+    """Contract G's job owner: a hash of the caller's API key (None when the server has none),
+    so that one key's jobs are invisible to another. The key has passed require_api_key."""
+    if context(request).config.api_key is None:
+        return None
+    given = request.headers.get("authorization", "").partition(" ")[2].strip()
+    return hashlib.sha256(b"tandem-owner:" + given.encode()).hexdigest()[:32]
+
+
+KEEPALIVE = b": keep-alive\n\n"
+TICK = None  # what `ticking` yields when `interval` passed without an item
+
+
+async def ticking(items: AsyncIterator, interval: float, deadline: float | None = None) -> AsyncIterator:
+    """The items of `items`, and TICK whenever `interval` seconds pass without one (the caller
+    sends an SSE keep-alive then); TimeoutError at `deadline`. The pending read is a task kept
+    across ticks: cancelling an async generator's __anext__ on each tick would end it."""
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(items.__anext__())
+            wait = interval if deadline is None else min(interval, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError()
+            done, _ = await asyncio.wait({pending}, timeout=wait)
+            if not done:
+                if deadline is None or time.monotonic() < deadline:
+                    yield TICK
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        # No await: this may run in a cancelled scope (the client went away), where it would raise.
+        if pending is not None:
+            pending.cancel()
+            pending.add_done_callback(_retrieve)
 
 
 def context(request: Request) -> ServerContext:
@@ -123,6 +228,14 @@ async def within(awaitable: Awaitable, deadline: float, request: Request):
     finally:
         if not task.done():
             task.cancel()
+            # The work may still end with its own error (a job cancelled as the client left):
+            # retrieved here, so that asyncio logs no "exception was never retrieved" traceback.
+            task.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def require_api_key(request: Request) -> None:

@@ -2,13 +2,15 @@
 here: plain dicts in, plain dicts out, so the checks are testable on their own.
 
 A request becomes a `Generation`: what to run (a prompt, token ids or chat messages), the job
-keyword arguments the workers take (SamplingParams fields, priority, deadline_s), and how to
-answer (stream or not, usage in the stream). Every refusal is an `APIError` naming the field,
-with the HTTP status OpenAI's API would give.
+keyword arguments the workers take (SamplingParams fields, priority), and how to answer (n
+choices, echo, logprobs, stream or not, usage in the stream). Every refusal is an `APIError`
+naming the field, with the HTTP status OpenAI's API would give. The job API (/v1/jobs) runs
+`check_job` too, so that both front doors refuse the same inputs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
@@ -18,51 +20,57 @@ from typing import Any
 
 from runtime.llm.sampling_params import SamplingParams
 
-# Fields of OpenAI's API that take only their default here, with the value that is allowed.
+MAX_N = 16  # choices per request: each is its own job, so n multiplies the load
+MAX_LOGPROBS = 20  # vLLM's cap (OpenAI's is 5 for completions, 20 for chat)
+# No tokenizer we serve has tokens longer than this many UTF-8 bytes, so a prompt with more than
+# max_model_len * this many bytes is too long for the context whatever it says, and is refused
+# before anything tokenizes it (a 30 MB prompt took seconds of a worker's tokenizer to refuse).
+MAX_BYTES_PER_TOKEN = 256
+MAX_ECHO = 200  # characters of a client's input an error message repeats
+MAX_MESSAGE = 320  # characters of an error message at most (its own text plus what it repeats)
+_INT64 = 1 << 63
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+# Fields of OpenAI's API that take only their default here, with the values that are allowed.
 _ONLY_DEFAULT = {
-    "n": (1,),
-    "best_of": (1,),
-    "echo": (False,),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "suffix": ("",),
     "logit_bias": ({},),
     "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),  # beam search only
+    "spaces_between_special_tokens": (True,),
 }
-# Fields accepted and ignored, as in OpenAI's and vLLM's servers.
-_IGNORED = {
-    "user",
-    "metadata",
-    "store",
-    "service_tier",
-    "parallel_tool_calls",
-    "response_format",
-    "include_stop_str_in_output",
-    "spaces_between_special_tokens",
-    "add_generation_prompt",
-    "length_penalty",
-    "stream_options",
-    "stream",
-    "model",
-    "request_timeout",
-    "min_p",
-}
+_ONLY_DEFAULT_CHAT = {"add_generation_prompt": (True,), "tool_choice": ("none", "auto"), "tools": ([],)}
+# Fields accepted and ignored, as in OpenAI's and vLLM's servers: they change nothing in the answer.
+_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # SamplingParams fields a request may set directly (vLLM's extras included).
 _SAMPLING = (
     "max_tokens",
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
     "min_tokens",
     "seed",
     "stop",
     "stop_token_ids",
     "ignore_eos",
     "skip_special_tokens",
+    "include_stop_str_in_output",
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
 )
+# vLLM's guided decoding fields, and the structured_outputs key (contract A) each becomes.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_SOURCES = ("response_format", "structured_outputs", *_GUIDED)
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INTS = ("max_tokens", "top_k", "min_tokens", "seed", "priority")
+
+
+def clip(value: Any) -> str:
+    """repr(value), cut to MAX_ECHO characters: an error message never repeats a whole input."""
+    text = repr(value)
+    return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + "..."
 
 
 class APIError(Exception):
@@ -76,6 +84,11 @@ class APIError(Exception):
         type_: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message, param = _text(message), None if param is None else _text(param)
+        if len(message) > MAX_MESSAGE:  # a check deeper down repeated its whole input (stop=[...] x 10,000)
+            message = message[:MAX_MESSAGE] + "... (cut)"
+        if param is not None and len(param) > 100:
+            param = param[:100]
         super().__init__(message)
         self.status = status
         self.message = message
@@ -87,9 +100,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
+def _text(s: str) -> str:
+    """`s` with any lone surrogate escaped: the answer is JSON in UTF-8, which cannot carry one."""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 _TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    408: "timeout",
     413: "invalid_request_error",
     503: "service_unavailable",
     504: "timeout",
@@ -104,6 +123,7 @@ def param_of(message: str) -> str:
 
 
 _UNKNOWN = re.compile(r"unknown field\(s\) \['([^']+)'")
+_UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
 
 
 def bad(param: str, message: str) -> APIError:
@@ -118,12 +138,43 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     timeout_s: float | None = None  # this request's own limit (else the server's)
+    n: int = 1  # choices, one job each
+    echo: bool = False  # completions: the prompt's text before each choice's text
+    max_tokens_name: str = "max_tokens"  # what the request called it (chat: max_completion_tokens too)
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
     def __post_init__(self) -> None:
         if not self.id:
             self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.job.get("logprobs")
+
+    def choice_job(self, index: int) -> dict:
+        """Choice `index`'s job: the request's, with its own seed when the request has one."""
+        job = dict(self.job)
+        if job.get("seed") is not None:
+            job["seed"] = choice_seed(job["seed"], index)
+        return job
+
+    def prompt_bytes(self) -> int:
+        """The UTF-8 size of what the model reads (token ids: one per id, the least a token takes)."""
+        if "messages" in self.job:
+            return sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in self.job["messages"])
+        prompt = self.job["prompt"]
+        return len(prompt.encode("utf-8", "surrogatepass")) if isinstance(prompt, str) else len(prompt)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed`: choice 0 keeps it (n=1 and n=2
+    agree on their first choice); the others take 63 bits of sha256("seed:index"). A hash, not
+    seed + index: the sampler's row_seed is affine in the seed, so nearby seeds would give
+    choices whose random streams are shifted copies of each other."""
+    if index == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
 def _is_int(v: Any) -> bool:
@@ -139,81 +190,221 @@ def _is_finite(v: Any) -> bool:
     return _is_number(v) and math.isfinite(v)
 
 
-def _common(body: dict, kind: str) -> tuple[dict, bool, bool, float | None]:
-    """Sampling fields, priority, stream flags and timeout shared by both endpoints."""
-    for name, allowed in _ONLY_DEFAULT.items():
+def check_messages(messages: Any) -> list[dict]:
+    """Chat messages as the workers take them: [{"role", "content": str}], developer as system."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages must be a non-empty list of {'role', 'content'} objects")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", f"messages[{i}] must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}, got {clip(role)}")
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise bad(f"messages[{i}].{extra[0]}", f"messages[{i}].{extra[0]} is not supported (text messages only)")
+        clean.append({"role": "system" if role == "developer" else role, "content": _content(i, m.get("content"))})
+    return clean
+
+
+def check_text(name: str, value: str) -> None:
+    """A URL or path with a control character (CR, LF, NUL, ...) is refused: it could split a
+    request line or a header on its way, and no real one holds one."""
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        raise bad(name, f"{name} must not contain control characters (CR, LF, NUL, ...), got {clip(value)}")
+
+
+def check_job(job: dict, renamed: dict[str, str] | None = None) -> None:
+    """The checks both the OpenAI endpoints and the job API run on a generate job's fields, on
+    top of SamplingParams' own: numbers finite (JSON here reads NaN and Infinity, and inf passes a
+    `>= 0` test), integers within 64 bits (they reach torch, Lua and Redis scores), deadline_s finite."""
+    for name in _FLOATS:
+        v = job.get(name)
+        if v is not None and _is_number(v) and not math.isfinite(v):
+            raise bad(name, f"{name} must be a finite number, got {v!r}")
+    for name in _INTS:
+        v = job.get(name)
+        if _is_int(v) and not -_INT64 <= v < _INT64:
+            raise bad(name, f"{name} must fit in 64 bits, got {clip(v)}")
+    ids = job.get("stop_token_ids")
+    big = [t for t in ids if _is_int(t) and t >= _INT64] if isinstance(ids, list) else []
+    if big:
+        raise bad("stop_token_ids", f"stop_token_ids must fit in 64 bits, got {clip(big[0])}")
+    if isinstance(job.get("prompt"), list) and any(_is_int(t) and t >= _INT64 for t in job["prompt"]):
+        raise bad("prompt", "prompt token ids must fit in 64 bits")
+    if "messages" in job:
+        job["messages"] = check_messages(job["messages"])
+    deadline = job.get("deadline_s")
+    if deadline is not None and (not _is_finite(deadline) or deadline <= 0):
+        raise bad("deadline_s", f"deadline_s must be a finite number of seconds > 0, got {clip(deadline)}")
+    _sampling_params(job, renamed)
+
+
+def _sampling_params(job: dict, renamed: dict[str, str] | None = None) -> None:
+    """SamplingParams' checks, once, where the workers run them too; `renamed`: the request's own
+    name for a job field (response_format for structured_outputs), so the error names what was sent."""
+    renamed = renamed or {}
+    try:
+        SamplingParams(**{k: v for k, v in job.items() if k not in ("prompt", "messages", "priority", "deadline_s")})
+    except TypeError as exc:  # a field this runtime's SamplingParams does not have (yet)
+        m = _UNEXPECTED.search(str(exc))
+        name = m.group(1) if m else "body"
+        raise bad(renamed.get(name, name), f"{renamed.get(name, name)} is not supported by this server") from None
+    except ValueError as exc:
+        text = str(exc)
+        name = param_of(text)
+        base = name.split(".", 1)[0]  # structured_outputs.choice: a part of the field
+        if base in renamed:  # say it in the request's terms: "response_format: structured_outputs ..."
+            return_name = renamed[base]
+            raise bad(return_name, f"{return_name}: {text}") from None
+        raise bad(name, text) from None
+
+
+def _structured(body: dict) -> tuple[dict | None, str | None]:
+    """response_format, structured_outputs or a guided_* field as contract A's structured_outputs
+    job field, and the request field it came from."""
+    given = [name for name in _STRUCTURED_SOURCES if body.get(name) is not None]
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise bad("response_format", "response_format must be {'type': 'text' | 'json_object' | 'json_schema'}")
+        if fmt["type"] == "text":
+            given.remove("response_format")
+    if len(given) > 1:
+        raise bad(given[1], f"{given[1]}: give one of {', '.join(given)}, not both")
+    if not given:
+        return None, None
+    name = given[0]
+    value = body[name]
+    if name == "response_format":
+        if value["type"] == "json_object":
+            return {"json_object": True}, name
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad("response_format", "response_format.json_schema must be {'name', 'schema': {...}}")
+        return {"json": spec["schema"]}, name
+    if name == "structured_outputs":
+        return value, name  # SamplingParams checks its shape
+    return {_GUIDED[name]: value}, name
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """The job's logprobs (k alternatives per token) from the endpoint's own spelling."""
+    if kind == "completion":
+        k = body.get("logprobs")
+        if k is None:
+            return None
+        if not _is_int(k) or not 0 <= k <= MAX_LOGPROBS:
+            raise bad("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {clip(k)}")
+        return k
+    on, k = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise bad("logprobs", f"logprobs must be true or false, got {clip(on)}")
+    if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+        raise bad("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {clip(k)}")
+    if k is not None and not on:
+        raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    return (k or 0) if on else None
+
+
+def _common(body: dict, kind: str) -> tuple[dict, bool, bool, float | None, int]:
+    """Sampling fields, priority, n, stream flags and timeout shared by both endpoints."""
+    defaults = {**_ONLY_DEFAULT, **(_ONLY_DEFAULT_CHAT if kind == "chat" else {})}
+    for name, allowed in defaults.items():
         value = body.get(name)
         if value is not None and not any(type(value) is type(a) and value == a for a in allowed):
-            raise bad(
-                name,
-                f"{name} must be {allowed[0]!r} or absent (Tandem returns one choice without logprobs), got {value!r}",
-            )
+            raise bad(name, f"{name} must be {allowed[0]!r} or absent (not supported here), got {clip(value)}")
     job: dict[str, Any] = {}
     for name in _SAMPLING:
         if body.get(name) is not None:
             job[name] = body[name]
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         job["max_tokens"] = body["max_completion_tokens"]
+    mt_name = (
+        "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
+    )
     if "max_tokens" in job and (not _is_int(job["max_tokens"]) or job["max_tokens"] < 1):
-        name = (
-            "max_completion_tokens"
-            if kind == "chat" and body.get("max_completion_tokens") is not None
-            else "max_tokens"
-        )
-        raise bad(name, f"{name} must be an integer >= 1, got {job['max_tokens']!r}")
+        raise bad(mt_name, f"{mt_name} must be an integer >= 1, got {clip(job['max_tokens'])}")
     if "temperature" in job and (not _is_finite(job["temperature"]) or job["temperature"] < 0):
-        raise bad("temperature", f"temperature must be a number >= 0 (0 = greedy), got {job['temperature']!r}")
-    if "top_p" in job and (not _is_number(job["top_p"]) or not 0 < job["top_p"] <= 1):
-        raise bad("top_p", f"top_p must be a number in (0, 1], got {job['top_p']!r}")
+        raise bad("temperature", f"temperature must be a number >= 0 (0 = greedy), got {clip(job['temperature'])}")
+    if "top_p" in job and (not _is_finite(job["top_p"]) or not 0 < job["top_p"] <= 1):
+        raise bad("top_p", f"top_p must be a number in (0, 1], got {clip(job['top_p'])}")
     if isinstance(job.get("stop"), str):
         job["stop"] = [job["stop"]]
-    try:
-        SamplingParams(**job)  # the rest of the checks, once, where the workers run them too
-    except (TypeError, ValueError) as exc:
-        text = str(exc)
-        raise bad(text.split(" ", 1)[0], text) from None
+    k = _logprobs(body, kind)
+    if k is not None:
+        job["logprobs"] = k
+    structured, source = _structured(body)
+    if structured is not None:
+        job["structured_outputs"] = structured
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
+        raise bad("n", f"n must be an integer in [1, {MAX_N}], got {clip(n)}")
+    n = n or 1
+    best_of = body.get("best_of")
+    if best_of is not None and (not _is_int(best_of) or best_of != n):
+        raise bad(
+            "best_of", f"best_of must equal n ({n}) or be absent (ranking candidates is not built), got {clip(best_of)}"
+        )
     priority = body.get("priority")
     if priority is not None:
         if not _is_int(priority):
-            raise bad("priority", f"priority must be an integer (lower runs first), got {priority!r}")
+            raise bad("priority", f"priority must be an integer (lower runs first), got {clip(priority)}")
         if priority:
             job["priority"] = priority
+    check_job(job, {"structured_outputs": source} if source else None)
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
-        raise bad("stream", f"stream must be a boolean, got {stream!r}")
+        raise bad("stream", f"stream must be a boolean, got {clip(stream)}")
     options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise bad("stream_options", f"stream_options must be an object, got {options!r}")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad("stream_options", f"stream_options must be an object, got {clip(options)}")
+        extra = sorted(set(options) - {"include_usage"})
+        if extra:
+            raise bad(f"stream_options.{extra[0]}", f"stream_options.{extra[0]}: only include_usage is supported")
+        if not isinstance(options.get("include_usage", False), bool):
+            raise bad("stream_options", "stream_options.include_usage must be true or false")
     include_usage = bool((options or {}).get("include_usage", False))
     if include_usage and not stream:
         raise bad("stream_options", "stream_options is only allowed when stream is true")
     timeout = body.get("request_timeout")
     if timeout is not None and (not _is_finite(timeout) or timeout <= 0):
-        raise bad("request_timeout", f"request_timeout must be a number of seconds > 0, got {timeout!r}")
-    return job, bool(stream), include_usage, timeout
+        raise bad("request_timeout", f"request_timeout must be a number of seconds > 0, got {clip(timeout)}")
+    return job, bool(stream), include_usage, timeout, n
 
 
 def _model(body: dict) -> str | None:
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
-        raise bad("model", f"model must be a non-empty string, got {model!r}")
+        raise bad("model", f"model must be a non-empty string, got {clip(model)}")
     return model
 
 
 def _unknown(body: dict, known: set[str]) -> None:
     extra = sorted(set(body) - known)
     if extra:
-        raise bad(extra[0], f"unknown field(s) {extra}; see the OpenAI API and vLLM's extra fields")
+        raise bad(
+            extra[0][:100],
+            f"unknown field(s) {[e[:100] for e in extra[:5]]}; see the OpenAI API and vLLM's extra fields",
+        )
 
 
-_COMMON_FIELDS = set(_ONLY_DEFAULT) | _IGNORED | set(_SAMPLING) | {"priority"}
+_COMMON_FIELDS = (
+    set(_ONLY_DEFAULT)
+    | _IGNORED
+    | set(_SAMPLING)
+    | set(_STRUCTURED_SOURCES)
+    | {"priority", "n", "best_of", "logprobs", "stream", "stream_options", "model", "request_timeout"}
+)
 
 
 def parse_completion(body: Any) -> Generation:
     """POST /v1/completions: one prompt (text, token ids, or a one-element list of either)."""
     if not isinstance(body, dict):
         raise bad("body", "the request body must be a JSON object")
-    _unknown(body, _COMMON_FIELDS | {"prompt"})
+    _unknown(body, _COMMON_FIELDS | {"prompt", "echo"})
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -225,10 +416,19 @@ def parse_completion(body: Any) -> Generation:
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise bad("prompt", f"prompt: one prompt per request (got a batch of {len(prompt)}); send one request each")
     else:
-        raise bad("prompt", f"prompt must be a non-empty string or a non-empty list of token ids, got {prompt!r}"[:200])
-    job, stream, include_usage, timeout = _common(body, "completion")
+        raise bad("prompt", f"prompt must be a non-empty string or a non-empty list of token ids, got {clip(prompt)}")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise bad("echo", f"echo must be true or false, got {clip(echo)}")
+    if echo and not isinstance(prompt, str):
+        raise bad("echo", "echo needs a text prompt (this server does not decode token ids)")
+    if echo and body.get("logprobs") is not None:
+        raise bad("echo", "echo with logprobs is not supported (prompt logprobs are not built)")
+    if isinstance(prompt, list) and any(t >= _INT64 for t in prompt):
+        raise bad("prompt", "prompt token ids must fit in 64 bits")
+    job, stream, include_usage, timeout, n = _common(body, "completion")
     job["prompt"] = prompt
-    return Generation("completion", _model(body), job, stream, include_usage, timeout)
+    return Generation("completion", _model(body), job, stream, include_usage, timeout, n, bool(echo))
 
 
 def _content(i: int, content: Any) -> str:
@@ -251,25 +451,23 @@ def parse_chat(body: Any) -> Generation:
     """POST /v1/chat/completions."""
     if not isinstance(body, dict):
         raise bad("body", "the request body must be a JSON object")
-    _unknown(body, _COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "chat_template"})
-    if body.get("tools"):
-        raise bad("tools", "tools are not supported")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages", "messages must be a non-empty list of {'role', 'content'} objects")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}]", f"messages[{i}] must be an object with 'role' and 'content'")
-        role = m.get("role")
-        if role not in ("system", "user", "assistant", "developer", "tool"):
-            raise bad(
-                f"messages[{i}].role", f"messages[{i}].role must be system, user, assistant or developer, got {role!r}"
-            )
-        clean.append({"role": "system" if role == "developer" else role, "content": _content(i, m.get("content"))})
-    job, stream, include_usage, timeout = _common(body, "chat")
+    _unknown(
+        body,
+        _COMMON_FIELDS
+        | set(_ONLY_DEFAULT_CHAT)
+        | {"messages", "max_completion_tokens", "top_logprobs", "chat_template"},
+    )
+    if body.get("chat_template") is not None:
+        raise bad(
+            "chat_template", "chat_template: the model's own template is used; custom templates are not supported"
+        )
+    clean = check_messages(body.get("messages"))
+    job, stream, include_usage, timeout, n = _common(body, "chat")
     job["messages"] = clean
-    return Generation("chat", _model(body), job, stream, include_usage, timeout)
+    gen = Generation("chat", _model(body), job, stream, include_usage, timeout, n)
+    if body.get("max_completion_tokens") is not None:
+        gen.max_tokens_name = "max_completion_tokens"
+    return gen
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -283,20 +481,71 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def response(gen: Generation, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
-    """The non-streaming answer."""
+def merged_usage(uses: list[dict]) -> dict:
+    """n choices' usage: the prompt counted once, the completions summed."""
+    if not uses or not all(uses):
+        return uses[0] if uses else {}
+    return usage(uses[0]["prompt_tokens"], sum(u["completion_tokens"] for u in uses))
+
+
+def logprobs_of(gen: Generation, entries: list[dict] | None, offset: int = 0) -> dict | None:
+    """Contract B's per-token entries in the endpoint's shape: chat's
+    {"content": [{token, logprob, bytes, top_logprobs: [...]}]}, or the completions API's
+    {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}. `offset`: the
+    characters of this choice's text before these tokens (a stream's earlier chunks). Each token's
+    text offset counts the token strings before it (a token may end mid-character)."""
+    if gen.logprobs is None or entries is None:
+        return None
     if gen.kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
+        return {
+            "content": [
+                {
+                    "token": e["token"],
+                    "logprob": e["logprob"],
+                    "bytes": e["bytes"],
+                    "top_logprobs": [
+                        {"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]} for t in e["top"]
+                    ],
+                }
+                for e in entries
+            ]
         }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": [choice], "usage": use}
+    offsets, at = [], offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        # As vLLM: the top k and the sampled token, which may not be among them.
+        "top_logprobs": [{**{t["token"]: t["logprob"] for t in e["top"]}, e["token"]: e["logprob"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def choice(gen: Generation, index: int, text: str, finish_reason: str | None, stop_reason, logprobs) -> dict:
+    """One choice of the non-streaming answer."""
+    if gen.kind == "chat":
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def response(gen: Generation, model: str, choices: list[dict], use: dict) -> dict:
+    """The non-streaming answer."""
+    obj = "chat.completion" if gen.kind == "chat" else "text_completion"
+    return {"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": choices, "usage": use}
 
 
 def chunk(
@@ -305,28 +554,33 @@ def chunk(
     text: str | None,
     finish_reason: str | None = None,
     *,
+    index: int = 0,
     role: bool = False,
+    logprobs: dict | None = None,
+    stop_reason=None,
     use: dict | None = None,
     no_choices: bool = False,
 ) -> dict:
-    """One streamed chunk. `role`: the chat stream's first chunk; `no_choices`: the usage chunk."""
+    """One streamed chunk of choice `index`. `role`: a chat choice's first chunk; `no_choices`: the usage chunk."""
     if gen.kind == "chat":
         delta: dict = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        item = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        item = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
+    if finish_reason is not None:
+        item["stop_reason"] = stop_reason
     out = {
         "id": gen.id,
         "object": obj,
         "created": gen.created,
         "model": model,
-        "choices": [] if no_choices else [choice],
+        "choices": [] if no_choices else [item],
     }
     if gen.include_usage:
         out["usage"] = use  # null on every chunk but the last, as OpenAI sends it

@@ -41,6 +41,7 @@ MAX_BODY = 256 << 10  # bus.jpg (137 kB) fits, as base64 too
 WORKER_ENV = {"TANDEM_HEARTBEAT_S": "0.5"}  # /metrics lags a worker by one heartbeat
 DETECT_KEYS = {"source", "frame", "boxes", "conf", "cls", "names", "error"}
 FINAL = ("done", "failed", "cancelled")
+API_KEY = "serve-test-key"
 
 
 class ServeProcess:
@@ -184,6 +185,7 @@ class Stack:
         redis_args = ["--redis-url", self.redis.url]
         self.server = self._add(ServeProcess("serve", tmp, [*redis_args, "--max-body-bytes", str(MAX_BODY)]))
         self.busy_server = self._add(ServeProcess("serve-busy", tmp, [*redis_args, "--max-queued", "1"]))
+        self.key_server = self._add(ServeProcess("serve-key", tmp, [*redis_args, "--api-key", API_KEY]))
         self.smol_server = self._add(ServeProcess("serve-smol", tmp, ["--redis-url", self.smol_redis.url]))
         nowhere = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
         self.embedded_server = self._add(
@@ -520,7 +522,9 @@ BAD_COMPLETIONS = [
     ("prompt", {"prompt": "hello " * 1200}),  # the tiny Llama's context is 1024 tokens
     ("prompt", {"prompt": 5}),
     ("prompt", {"prompt": ""}),
-    ("n", {"n": 2}),
+    ("n", {"n": 17}),
+    ("best_of", {"n": 2, "best_of": 3}),
+    ("echo", {"echo": True, "logprobs": 1}),
     ("stop", {"stop": 5}),
     ("seed", {"seed": "x"}),
     ("min_tokens", {"extra_body": {"min_tokens": 9}}),  # more than max_tokens
@@ -948,3 +952,166 @@ def test_embedded_mode_serves_completions_and_models_without_redis(stack, tiny_l
     health = httpx.get(server.url + "/health", timeout=10).json()
     assert health["mode"] == "embedded" and health["llm"] == 1
     wait_for(lambda: metric(scrape(server.url), "tandem:generation_tokens_total") >= 9, 10, "the tokens in /metrics")
+
+
+# ---- logprobs, n, echo, the API key (issue 20) ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+
+
+def _hf_logprobs(hf_model, ids: list[int]) -> list[float]:
+    """Log-softmax of the next-token logits after `ids`, from Hugging Face: the oracle."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0, -1]
+    return torch.log_softmax(logits.float(), -1).tolist()
+
+
+def test_completion_logprobs_match_transformers_streamed_and_not(env, tok, hf_model):
+    prompt = "The quick brown fox"
+    client = env.client()
+    out = client.completions.create(
+        model=env.model, prompt=prompt, max_tokens=5, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 3 <= len(top) <= 4 and top[token] == logprob  # the top 3, and the sampled token
+        assert logprob == pytest.approx(max(top.values()), abs=1e-5)  # greedy: the most likely
+    oracle = _hf_logprobs(hf_model, tok(prompt).input_ids)
+    assert lp.token_logprobs[0] == pytest.approx(max(oracle), abs=1e-3)
+    streamed = list(
+        client.completions.create(
+            model=env.model,
+            prompt=prompt,
+            max_tokens=5,
+            temperature=0,
+            logprobs=3,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.token_logprobs] == lp.token_logprobs
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+
+
+def test_chat_logprobs_in_openai_shape_streamed_and_not(env):
+    client = env.client()
+    args = dict(
+        model=env.model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    out = client.chat.completions.create(**args)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4 == out.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token or entry.token == ""
+    streamed = [c for c in client.chat.completions.create(stream=True, **args) if c.choices]
+    entries = [e for c in streamed if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in entries] == [e.logprob for e in content]
+    plain = client.chat.completions.create(**{**args, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_n_2_gives_two_seeded_choices_and_counts_the_prompt_once(env):
+    client = env.client()
+    args = dict(model=env.model, prompt="Tell me a story", max_tokens=8, temperature=1.0, seed=7)
+    one = client.completions.create(**args, extra_body={"ignore_eos": True})
+    two = client.completions.create(n=2, **args, extra_body={"ignore_eos": True})
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].text == one.choices[0].text  # choice 0 keeps the request's seed
+    assert two.choices[1].text != two.choices[0].text  # choice 1 has its own
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens and two.usage.completion_tokens == 16
+    again = client.completions.create(n=2, **args, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in two.choices]
+    chunks = list(
+        client.chat.completions.create(
+            model=env.model,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            temperature=1.0,
+            seed=3,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    by_index = {0: "", 1: ""}
+    for c in chunks[:-1]:
+        by_index[c.choices[0].index] += c.choices[0].delta.content or ""
+    finishes = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(f.index for f in finishes) == [0, 1] and chunks[-1].usage.completion_tokens == 10
+    plain = env.client().chat.completions.create(
+        model=env.model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=1.0,
+        seed=3,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.message.content for c in plain.choices] == [by_index[0], by_index[1]]
+
+
+def test_echo_puts_the_prompt_before_the_completion(env):
+    out = greedy(env, "Once upon", 3, echo=True)
+    plain = greedy(env, "Once upon", 3)
+    assert out.choices[0].text == "Once upon" + plain.choices[0].text
+
+
+def test_without_the_api_key_the_openai_client_gets_401_over_real_workers(env):
+    server = env.key_server.wait_ready()
+    wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as exc:
+        wrong.completions.create(model=env.model, prompt="Hi", max_tokens=2)
+    assert exc.value.status_code == 401
+    right = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    out = right.completions.create(model=env.model, prompt="Hi", max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens >= 1
+    submitted = httpx.post(
+        server.url + "/v1/jobs",
+        json={"prompt": "Hi", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=10,
+    )
+    assert submitted.status_code == 202
+    job_id = submitted.json()["job_id"]
+    assert httpx.get(f"{server.url}/v1/jobs/{job_id}", timeout=10).status_code == 401
+
+
+def test_json_schema_output_parses_and_matches_the_schema(env):
+    """The schema's values are finite (a boolean, an enum), so that even the random tiny Llama
+    ends its object well within max_tokens: what is tested is the constraint, not the model."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "name": {"enum": ["ann", "bob"]}},
+        "required": ["ok", "name"],
+        "additionalProperties": False,
+    }
+    out = env.client().chat.completions.create(
+        model=env.model,
+        messages=[{"role": "user", "content": "A person as JSON"}],
+        max_tokens=200,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+    )
+    assert out.choices[0].finish_reason == "stop", out.choices[0]
+    value = json.loads(out.choices[0].message.content)
+    assert set(value) == {"ok", "name"} and isinstance(value["ok"], bool) and value["name"] in ("ann", "bob")

@@ -34,9 +34,26 @@ def _param(fn, body) -> str:
         ("seed", "x"),
         ("stop_token_ids", [-1]),
         ("priority", 1.5),
-        ("n", 2),
-        ("logprobs", 3),
-        ("echo", True),
+        ("n", 0),
+        ("n", 17),
+        ("best_of", 3),
+        ("logprobs", 21),
+        ("logprobs", True),
+        ("echo", "yes"),
+        ("suffix", "tail"),
+        ("logit_bias", {"5": 1}),
+        ("spaces_between_special_tokens", False),
+        ("min_p", 1.5),
+        ("min_p", float("nan")),
+        ("top_p", float("nan")),
+        ("repetition_penalty", float("inf")),
+        ("max_tokens", 10**30),
+        ("seed", 2**64),
+        ("stop", ["x"] * 10_000),
+        ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
+        ("guided_choice", []),
+        ("guided_regex", 5),
+        ("response_format", {"type": "xml"}),
         ("stream", "yes"),
         ("request_timeout", 0),
         ("presence_penalty", 5),
@@ -48,7 +65,10 @@ def _param(fn, body) -> str:
 )
 def test_each_bad_completion_field_is_refused_naming_it(field, value):
     body = {"prompt": "hi", "max_tokens": 8, field: value}
-    assert _param(protocol.parse_completion, body) == field
+    if field == "stream_options":
+        body["stream"] = True
+    param = _param(protocol.parse_completion, body)
+    assert param == field or param.startswith(field + "."), param
 
 
 @pytest.mark.parametrize("prompt", ["", [], [1, -2], [["a"], ["b"]], ["a", "b"], 5, None])
@@ -283,3 +303,125 @@ def test_detect_refuses_a_field_it_would_ignore_naming_it(field):
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == field
         assert client.post("/v1/detect", json={"url": "http://127.0.0.1/x.jpg"}).status_code != 400
+
+
+def test_choice_seeds_keep_choice_0_and_differ_for_the_others():
+    assert protocol.choice_seed(7, 0) == 7
+    seeds = {protocol.choice_seed(7, i) for i in range(16)} | {protocol.choice_seed(8, i) for i in range(1, 16)}
+    assert len(seeds) == 31 and all(0 <= s < 1 << 63 for s in seeds)
+    gen = protocol.parse_completion({"prompt": "x", "n": 3, "seed": 7})
+    assert [gen.choice_job(i)["seed"] for i in range(3)] == [protocol.choice_seed(7, i) for i in range(3)]
+    unseeded = protocol.parse_completion({"prompt": "x", "n": 3})
+    assert all("seed" not in unseeded.choice_job(i) for i in range(3))  # unseeded stays unseeded
+
+
+def _entry(token: str, logprob: float, top: list[tuple[str, float]]) -> dict:
+    def one(t, lp):
+        return {"token_id": 1, "token": t, "bytes": list(t.encode()), "logprob": lp}
+
+    return {**one(token, logprob), "top": [one(t, lp) for t, lp in top]}
+
+
+def test_logprobs_take_each_endpoints_openai_shape():
+    entries = [_entry("He", -0.1, [("He", -0.1), ("A", -2.0)]), _entry("llo", -0.5, [("y", -0.3), ("A", -1.0)])]
+    comp = protocol.parse_completion({"prompt": "x", "logprobs": 2})
+    out = protocol.logprobs_of(comp, entries, offset=3)
+    assert out == {
+        "tokens": ["He", "llo"],
+        "token_logprobs": [-0.1, -0.5],
+        "top_logprobs": [{"He": -0.1, "A": -2.0}, {"y": -0.3, "A": -1.0, "llo": -0.5}],
+        "text_offset": [3, 5],
+    }
+    chat = protocol.parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2})
+    assert chat.job["logprobs"] == 2
+    content = protocol.logprobs_of(chat, entries)["content"]
+    assert content[1] == {
+        "token": "llo",
+        "logprob": -0.5,
+        "bytes": [108, 108, 111],
+        "top_logprobs": [
+            {"token": "y", "logprob": -0.3, "bytes": [121]},
+            {"token": "A", "logprob": -1.0, "bytes": [65]},
+        ],
+    }
+    assert protocol.parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}).job["logprobs"] == 0
+    assert protocol.logprobs_of(protocol.parse_completion({"prompt": "x"}), entries) is None
+
+
+def test_structured_output_fields_map_to_one_job_field_and_are_refused_in_the_requests_terms():
+    """Until the runtime builds structured output, SamplingParams refuses it: a 400 that names
+    the field the request used."""
+    schema = {"type": "object"}
+    for body, param in (
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_json": schema}, "guided_json"),
+        ({"guided_choice": ["a", "b"]}, "guided_choice"),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+    ):
+        try:
+            gen = protocol.parse_completion({"prompt": "x", **body})
+        except APIError as exc:
+            assert exc.status == 400 and exc.param == param and exc.message.startswith(param), exc.message
+        else:  # the runtime supports it: the job carries contract A's field
+            assert set(gen.job["structured_outputs"]) <= {"json", "json_object", "regex", "choice", "grammar"}
+    assert protocol.parse_completion({"prompt": "x", "response_format": {"type": "text"}}).job.keys() == {"prompt"}
+
+
+def test_the_job_api_checks_are_the_openai_ones():
+    for body, param in (
+        ({"messages": [{"role": "bogus", "content": "x"}]}, "messages[0].role"),
+        ({"prompt": "x", "temperature": float("inf")}, "temperature"),
+        ({"prompt": "x", "deadline_s": float("inf")}, "deadline_s"),
+        ({"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
+        ({"prompt": "x", "min_p": float("nan")}, "min_p"),
+    ):
+        with pytest.raises(APIError) as info:
+            protocol.check_job(dict(body))
+        assert info.value.param == param, info.value.message
+
+
+def test_errors_repeat_little_of_the_input_and_carry_no_lone_surrogate():
+    with pytest.raises(APIError) as info:
+        protocol.parse_completion({"prompt": "x", "stop": ["s"] * 10_000 + [5]})
+    assert info.value.param == "stop" and len(info.value.message) <= 330
+    err = APIError(400, "bad \ud800 " + "y" * 5000, "p\udfff")
+    err.message.encode("utf-8")  # escaped, so the JSON answer can be written
+    assert len(err.message) <= 330 and err.param == "p\\udfff"
+
+
+def test_lone_surrogates_are_found_with_their_path():
+    from server.common import lone_surrogate
+
+    assert lone_surrogate({"prompt": "ok", "messages": [{"content": "a"}, {"content": "b\ud800"}]}) == (
+        "messages[1].content"
+    )
+    assert lone_surrogate({"a": [1, 2.5, None, {"b": "fine"}]}) is None
+    deep: list = []
+    node = deep
+    for _ in range(5000):  # deeper than Python's recursion limit: the walk is iterative
+        node.append([])
+        node = node[0]
+    node.append("\udc00")
+    assert lone_surrogate(deep).endswith("[0]")
+
+
+def test_ticking_yields_keep_alive_ticks_while_the_source_is_quiet():
+    import asyncio
+
+    from server.common import TICK, ticking
+
+    async def slow():
+        yield 1
+        await asyncio.sleep(0.35)
+        yield 2
+
+    async def main():
+        return [item async for item in ticking(slow(), 0.1)]
+
+    items = asyncio.run(main())
+    assert items[0] == 1 and items[-1] == 2 and items.count(TICK) >= 2
+    assert set(items[1:-1]) == {TICK}

@@ -1,108 +1,231 @@
-"""OpenAI's endpoints: /v1/completions and /v1/chat/completions, as JSON or as
-server-sent events. Requests are checked by server/protocol.py; the backend runs them."""
+"""OpenAI's endpoints: /v1/completions and /v1/chat/completions, as JSON or as server-sent
+events. Requests are checked by server/protocol.py; the backend runs them.
+
+n choices are n jobs, each with its own seed (protocol.choice_seed), run at once and merged:
+the answer lists them by index, a stream interleaves their chunks (each names its choice), and
+usage counts the prompt once. A client that goes away, a deadline, or one choice failing
+cancels them all.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server import protocol
-from server.common import ServerContext, close_stream, context, failure, sse_data, within
+from server import openapi, protocol
+from server.common import KEEPALIVE, TICK, ServerContext, close_stream, context, failure, log, sse_data, ticking, within
 from server.protocol import APIError, Generation
 from server.routes.models import resolve_model
 
 router = APIRouter()
+FINAL = ("done", "failed", "cancelled")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=openapi.request_body("Completion"))
 async def completions(request: Request) -> Response:
     return await run(protocol.parse_completion(await context(request).read_json(request)), request)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=openapi.request_body("ChatCompletion"))
 async def chat_completions(request: Request) -> Response:
     return await run(protocol.parse_chat(await context(request).read_json(request)), request)
+
+
+@dataclasses.dataclass(slots=True)
+class Choice:
+    """One choice's job, and how far its answer has come."""
+
+    index: int
+    stream: object  # backends.Stream
+    events: AsyncIterator[dict]
+    text_offset: int = 0  # characters sent so far (the completions API's text_offset)
+    done: bool = False
+
+
+def check_fits(gen: Generation, max_model_len: int | None) -> None:
+    """What the served model's context refuses without a tokenizer: max_tokens past the whole
+    context, and a prompt whose size alone proves it too long (the prompt-dependent check is the
+    engine's, and comes back as the job's failure)."""
+    if not max_model_len:
+        return
+    mt = gen.job.get("max_tokens")
+    if mt is not None and mt > max_model_len:
+        name = gen.max_tokens_name
+        raise protocol.bad(name, f"{name} must be at most max_model_len ({max_model_len}), got {protocol.clip(mt)}")
+    prompt = gen.job.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > max_model_len:
+        raise protocol.bad("prompt", f"prompt has {len(prompt)} tokens; max_model_len is {max_model_len}")
+    size = gen.prompt_bytes()
+    if size > max_model_len * protocol.MAX_BYTES_PER_TOKEN:
+        name = "messages" if gen.kind == "chat" else "prompt"
+        raise protocol.bad(
+            name,
+            f"{name} has {size} bytes: longer than max_model_len ({max_model_len} tokens) whatever the tokenizer",
+        )
 
 
 async def run(gen: Generation, request: Request) -> Response:
     ctx = context(request)
     served = await resolve_model(ctx, gen)
     model = served["id"]
+    check_fits(gen, served.get("max_model_len"))
     if gen.kind == "chat" and "max_tokens" not in gen.job:
-        # As vLLM: a chat answer may use what the context leaves (the engine caps it there).
-        gen.job["max_tokens"] = int(served["max_model_len"] or 2048)
+        gen.job["max_tokens"] = None  # contract A: what the context leaves after the prompt (vLLM's chat default)
     timeout = ctx.timeout_of(gen)
     deadline = time.monotonic() + timeout
-    stream = await ctx.backend.generate(gen, timeout)
-    events = stream.events()
+    choices: list[Choice] = []
+    firsts: list[asyncio.Future] = []
     try:
-        first = await within(events.__anext__(), deadline, request)
-    except StopAsyncIteration:
-        first = {"type": "failed", "error": "the job ended without a result"}
+        for i in range(gen.n):
+            stream = await ctx.backend.generate(dataclasses.replace(gen, job=gen.choice_job(i)), timeout)
+            choices.append(Choice(i, stream, stream.events()))
+            firsts.append(asyncio.ensure_future(_next(choices[-1])))
+        # A refusal (a prompt too long, say) comes at once, and is an HTTP error even for a
+        # stream; a stream whose first token takes longer (a queued job) starts anyway, so that
+        # it can send keep-alives while it waits, and reports a later failure in the stream.
+        wait = min(deadline, time.monotonic() + ctx.config.keepalive_s) if gen.stream else deadline
+        try:
+            await within(asyncio.wait(firsts), wait, request)
+        except APIError:
+            if not gen.stream or time.monotonic() >= deadline:
+                raise
+        for f in firsts:
+            event = f.result() if f.done() else None
+            if event is not None and event["type"] in ("failed", "cancelled"):
+                raise failure(event)
     except BaseException:
-        ctx.later(close_stream(stream, events))
+        for f in firsts:
+            f.cancel()
+        cancel(ctx, choices)
         raise
-    if first["type"] in ("failed", "cancelled"):
-        await events.aclose()
-        raise failure(first)
     if gen.stream:
         return StreamingResponse(
-            sse(ctx, gen, model, stream, events, first, deadline),
+            sse(ctx, gen, model, choices, firsts, deadline),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-
-    async def collect() -> tuple[str, str | None]:
-        parts, event = [], first
-        while True:
-            parts.append(event.get("text", ""))
-            if event["type"] == "done":
-                return "".join(parts), event.get("finish_reason")
-            if event["type"] in ("failed", "cancelled"):
-                raise failure(event)
-            event = await events.__anext__()
-
     try:  # one watch over the whole answer: its deadline, and the client still being there
-        text, finish = await within(collect(), deadline, request)
+        answers = await within(
+            asyncio.gather(*(_collect(gen, c, f.result()) for c, f in zip(choices, firsts))), deadline, request
+        )
     except BaseException:
-        ctx.later(close_stream(stream, events))
+        cancel(ctx, choices)
         raise
-    return JSONResponse(protocol.response(gen, model, text, finish, await stream.usage()))
+    use = protocol.merged_usage([await x.stream.usage() for x in choices])
+    return JSONResponse(protocol.response(gen, model, answers, use))
+
+
+def cancel(ctx: ServerContext, choices: list[Choice]) -> None:
+    """Stop the jobs of the choices not done (later: this may run where awaiting is cancelled)."""
+    for c in choices:
+        if not c.done:
+            c.done = True
+            ctx.later(close_stream(c.stream, c.events))
+
+
+async def _next(c: Choice) -> dict:
+    try:
+        event = await c.events.__anext__()
+    except StopAsyncIteration:
+        event = {"type": "failed", "error": "the job ended without a result"}
+    if event["type"] in FINAL:
+        c.done = True
+    return event
+
+
+async def _collect(gen: Generation, c: Choice, first: dict) -> dict:
+    parts, entries, event = [], [], first
+    while True:
+        parts.append(event.get("text", ""))
+        entries.extend(event.get("logprobs") or ())
+        if event["type"] == "done":
+            text = (gen.job["prompt"] if gen.echo else "") + "".join(parts)
+            lp = protocol.logprobs_of(gen, entries)
+            return protocol.choice(gen, c.index, text, event.get("finish_reason"), event.get("stop_reason"), lp)
+        if event["type"] in ("failed", "cancelled"):
+            raise failure(event)
+        event = await _next(c)
+
+
+async def _pump(c: Choice, first: asyncio.Future, queue: asyncio.Queue) -> None:
+    """Choice c's events into the shared queue, until its final one."""
+    event = await first
+    while True:
+        await queue.put((c, event))
+        if event["type"] in FINAL:
+            return
+        event = await _next(c)
+
+
+async def _drain(queue: asyncio.Queue) -> AsyncIterator:
+    while True:
+        yield await queue.get()
 
 
 async def sse(
-    ctx: ServerContext, gen: Generation, model: str, stream, events: AsyncIterator[dict], first: dict, deadline: float
+    ctx: ServerContext,
+    gen: Generation,
+    model: str,
+    choices: list[Choice],
+    firsts: list[asyncio.Future],
+    deadline: float,
 ) -> AsyncIterator[bytes]:
-    finished = False
+    queue: asyncio.Queue = asyncio.Queue()
+    pumps = [asyncio.ensure_future(_pump(c, f, queue)) for c, f in zip(choices, firsts)]
+    ended = False  # the answer (or its error) was sent: anything left running is not a disconnect
     try:
-        if gen.kind == "chat":
-            yield sse_data(protocol.chunk(gen, model, "", role=True))
-        event = first
-        while True:
-            kind = event["type"]
-            if kind in ("failed", "cancelled"):
-                yield sse_data(failure(event).body())
-                finished = True
-                break
-            text = event.get("text", "")
-            if kind == "done":
-                yield sse_data(protocol.chunk(gen, model, text, event.get("finish_reason")))
-                finished = True
-                if gen.include_usage:
-                    yield sse_data(protocol.chunk(gen, model, None, use=await stream.usage(), no_choices=True))
-                break
-            if text:
-                yield sse_data(protocol.chunk(gen, model, text))
-            try:
-                event = await asyncio.wait_for(events.__anext__(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                yield sse_data(APIError(504, f"the request took longer than its {ctx.timeout_of(gen):g} s").body())
-                break
+        for c in choices:
+            if gen.kind == "chat":
+                yield sse_data(protocol.chunk(gen, model, "", index=c.index, role=True))
+            elif gen.echo:
+                yield sse_data(protocol.chunk(gen, model, gen.job["prompt"], index=c.index))
+        left = len(choices)
+        try:
+            ticks = contextlib.aclosing(ticking(_drain(queue), ctx.config.keepalive_s, deadline))
+            async with ticks as items:
+                async for item in items:
+                    if item is TICK:
+                        yield KEEPALIVE
+                        continue
+                    c, event = item
+                    kind = event["type"]
+                    if kind in ("failed", "cancelled"):
+                        ended = True
+                        yield sse_data(failure(event).body())
+                        break
+                    text = event.get("text", "")
+                    lp = protocol.logprobs_of(gen, event.get("logprobs"), c.text_offset)
+                    c.text_offset += sum(len(e["token"]) for e in event.get("logprobs") or ())
+                    if kind == "done":
+                        c.done = True
+                        left -= 1
+                        reason, stop = event.get("finish_reason"), event.get("stop_reason")
+                        yield sse_data(
+                            protocol.chunk(gen, model, text, reason, index=c.index, logprobs=lp, stop_reason=stop)
+                        )
+                        if not left:
+                            ended = True
+                            if gen.include_usage:
+                                use = protocol.merged_usage([await x.stream.usage() for x in choices])
+                                yield sse_data(protocol.chunk(gen, model, None, use=use, no_choices=True))
+                            break
+                    elif text or lp:
+                        yield sse_data(protocol.chunk(gen, model, text, index=c.index, logprobs=lp))
+        except TimeoutError:
+            ended = True
+            yield sse_data(APIError(504, f"the request took longer than its {ctx.timeout_of(gen):g} s").body())
         yield b"data: [DONE]\n\n"
     finally:
-        if not finished:  # the client went away, or the deadline passed: stop the work
-            ctx.later(close_stream(stream, events))
+        # No awaiting here: when the client went away this runs inside a cancelled scope.
+        for p in [*pumps, *firsts]:
+            p.cancel()
+        running = [c.stream.id for c in choices if not c.done]
+        cancel(ctx, choices)
+        if running and not ended:
+            log.info("client went away mid-stream; cancelled %s", ", ".join(running))

@@ -7,6 +7,7 @@ import time
 
 from fastapi import APIRouter, Request
 
+from server import openapi, protocol
 from server.common import context, within
 from server.protocol import APIError
 
@@ -14,7 +15,19 @@ router = APIRouter()
 DETECT_FIELDS = frozenset({"url", "path", "image"})
 
 
-@router.post("/v1/detect")
+_UPLOAD = {
+    "multipart/form-data": {
+        "schema": {
+            "type": "object",
+            "properties": {"file": {"type": "string", "format": "binary"}},
+            "required": ["file"],
+        }
+    },
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+}
+
+
+@router.post("/v1/detect", openapi_extra=openapi.request_body("Detect", extra_content=_UPLOAD))
 async def detect(request: Request) -> dict:
     ctx = context(request)
     ctype = request.headers.get("content-type", "")
@@ -50,6 +63,8 @@ async def detect(request: Request) -> dict:
         kind, value = given[0], body[given[0]]
         if not isinstance(value, str) or not value:
             raise APIError(400, f"{kind} must be a non-empty string", kind)
+        if kind in ("url", "path"):
+            protocol.check_text(kind, value)
         if kind == "image":
             from workers.jobspec import decode_image_b64
 

@@ -1,8 +1,14 @@
 """The job API: POST /v1/jobs, GET /v1/jobs/{id} and its events, DELETE /v1/jobs/{id}. Jobs
-live in Redis, so this needs workers (not --embedded)."""
+live in Redis, so this needs workers (not --embedded).
+
+A generate job passes the same checks as the OpenAI endpoints (protocol.check_job: finite
+numbers, known roles, ...) before workers/jobspec.py's. With an API key, each job belongs to
+the key that submitted it (contract G): another key gets 404, as if it did not exist.
+"""
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import AsyncIterator
@@ -10,11 +16,14 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from server.common import context
+from server import openapi, protocol
+from server.common import KEEPALIVE, TICK, context, owner_of, ticking
 from server.protocol import APIError
+from server.routes.models import served_models
 
 router = APIRouter()
-_STREAM_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
+_STREAM_ID = re.compile(r"(\d{1,20})(?:-(\d{1,20}))?")
+_U64 = 1 << 64
 
 
 def jobs_backend(request: Request):
@@ -28,16 +37,43 @@ def jobs_backend(request: Request):
     return backend
 
 
+def owned(request: Request, method) -> dict:
+    """{"owner": ...} for a backend method that takes contract G's owner, else {} (a backend
+    without ownership yet: passing it would be a TypeError)."""
+    if "owner" not in inspect.signature(method).parameters:
+        return {}
+    return {"owner": owner_of(request)}
+
+
 def checked_job_id(job_id: str) -> str:
     from workers.store import check_job_id
 
     try:
         return check_job_id(job_id)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "job_id") from None
+    except ValueError:
+        raise APIError(
+            400, f"job_id must be 1-200 characters of [A-Za-z0-9._:@-], got {protocol.clip(job_id)}", "job_id"
+        ) from None
 
 
-@router.post("/v1/jobs", status_code=202)
+def _missing(job_id: str) -> APIError:
+    return APIError(404, f"job {job_id} does not exist (or expired)", "job_id")
+
+
+async def _check_max_tokens(request: Request, body: dict) -> None:
+    """max_tokens past every served model's context can never run: 400 now, not a failed job
+    later. With no LLM worker up the job may wait for one, so only the checks above apply."""
+    mt = body.get("max_tokens")
+    if not isinstance(mt, int) or isinstance(mt, bool):
+        return
+    lens = [m.get("max_model_len") or 0 for m in (await served_models(context(request))).values()]
+    if lens and all(lens) and mt > max(lens):
+        raise protocol.bad(
+            "max_tokens", f"max_tokens must be at most max_model_len ({max(lens)}), got {protocol.clip(mt)}"
+        )
+
+
+@router.post("/v1/jobs", status_code=202, openapi_extra=openapi.request_body("Job"))
 async def submit_job(request: Request) -> dict:
     b = jobs_backend(request)
     body = await context(request).read_json(request)
@@ -47,57 +83,88 @@ async def submit_job(request: Request) -> dict:
     task = body.pop("task", "generate")
     job_id = body.pop("job_id", None)
     if task not in ("generate", "detect"):
-        raise APIError(400, f"task must be 'generate' or 'detect', got {task!r}", "task")
+        raise APIError(400, f"task must be 'generate' or 'detect', got {protocol.clip(task)}", "task")
+    if job_id is not None:
+        job_id = checked_job_id(job_id)
     from workers.jobspec import parse_detect, parse_generate
 
     if task == "generate":
+        protocol.check_job(body)  # the OpenAI endpoints' checks; messages come back cleaned
+        await _check_max_tokens(request, body)
         spec = parse_generate(body)
-        queue, name, max_tokens = "llm", "tandem.generate", spec.params.max_tokens
+        queue, name, max_tokens = "llm", "tandem.generate", spec.params.max_tokens or 0
     else:
+        for key in ("url", "path"):
+            if isinstance(body.get(key), str):
+                protocol.check_text(key, body[key])
+        deadline = body.get("deadline_s")
+        if deadline is not None:
+            protocol.check_job({"deadline_s": deadline})
         spec = parse_detect(body)
         queue, name, max_tokens = "vision", "tandem.detect", 0
     await b.check_capacity(queue)
     try:
         job_id, created, state = await b.submit(
-            name, body, job_id=job_id, priority=spec.priority, max_tokens=max_tokens
+            name, body, job_id=job_id, priority=spec.priority, max_tokens=max_tokens, **owned(request, b.submit)
         )
     except ValueError as exc:
-        if "already used" in str(exc):  # the same job id with other arguments
+        if "already used" in str(exc):  # the same job id with other arguments (or another owner's)
             raise APIError(409, str(exc), "job_id", type_="conflict") from None
         raise
     return {"job_id": job_id, "state": state, "created": created}
 
 
-@router.get("/v1/jobs/{job_id}")
+@router.get("/v1/jobs/{job_id}", openapi_extra=openapi.errors_only())
 async def job_status(job_id: str, request: Request) -> dict:
-    out = await jobs_backend(request).status(checked_job_id(job_id))
+    b = jobs_backend(request)
+    job_id = checked_job_id(job_id)
+    out = await b.status(job_id, **owned(request, b.status))
     if out is None:
-        raise APIError(404, f"job {job_id} does not exist (or expired)", "job_id")
+        raise _missing(job_id)
     return out
 
 
-@router.get("/v1/jobs/{job_id}/events")
+def checked_event_id(value: str, field: str) -> str:
+    """A Redis stream id as the events carry it: ms[-seq], each part a 64-bit unsigned integer
+    (Redis answers anything else with an error, which would be a 500)."""
+    m = _STREAM_ID.fullmatch(value)
+    if not m or int(m.group(1)) >= _U64 or int(m.group(2) or 0) >= _U64:
+        raise APIError(
+            400, f"{field} must be an event id as sent (like 1700000000000-0), got {protocol.clip(value[:60])}", field
+        )
+    return value
+
+
+@router.get("/v1/jobs/{job_id}/events", openapi_extra=openapi.errors_only())
 async def job_events(job_id: str, request: Request) -> Response:
     b = jobs_backend(request)
     job_id = checked_job_id(job_id)
-    if await b.state(job_id) is None:
-        raise APIError(404, f"job {job_id} does not exist (or expired)", "job_id")
     field = "Last-Event-ID" if request.headers.get("last-event-id") else "after"
-    after = request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
-    if not _STREAM_ID.fullmatch(after):
-        raise APIError(400, f"{field} must be an event id as sent (like 1700000000000-0), got {after[:40]!r}", field)
+    after = checked_event_id(request.headers.get("last-event-id") or request.query_params.get("after") or "0-0", field)
+    owner = owned(request, b.read_events)
+    if owner and await b.status(job_id, **owned(request, b.status)) is None:
+        raise _missing(job_id)  # another key's job is no job
+    if await b.state(job_id) is None:
+        raise _missing(job_id)
+    interval = context(request).config.keepalive_s
 
     async def events() -> AsyncIterator[bytes]:
-        async for event_id, event in b.read_events(job_id, after):
+        async for item in ticking(b.read_events(job_id, after, **owner), interval):
+            if item is TICK:
+                yield KEEPALIVE
+                continue
+            event_id, event = item
             yield f"id: {event_id}\nevent: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-@router.delete("/v1/jobs/{job_id}")
+@router.delete("/v1/jobs/{job_id}", openapi_extra=openapi.errors_only())
 async def cancel_job(job_id: str, request: Request) -> dict:
-    outcome = await jobs_backend(request).cancel(checked_job_id(job_id))
+    b = jobs_backend(request)
+    job_id = checked_job_id(job_id)
+    outcome = await b.cancel(job_id, **owned(request, b.cancel))
     if outcome == "missing":
-        raise APIError(404, f"job {job_id} does not exist (or expired)", "job_id")
+        raise _missing(job_id)
     state = outcome.split(":", 1)[-1]  # "final:done": it had ended already
     return {"job_id": job_id, "cancelled": outcome in ("cancelled", "cancelling"), "state": state}
