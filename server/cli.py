@@ -35,8 +35,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="clients must send 'Authorization: Bearer KEY' on every endpoint but /health (default: $TANDEM_API_KEY; "
-        "none: no check)",
+        help="clients must send 'Authorization: Bearer KEY' on every endpoint but /health; KEY1,KEY2,...: one key "
+        "per client, each seeing only its own jobs (default: $TANDEM_API_KEY; none: no check)",
     )
     p.add_argument(
         "--keepalive", type=float, default=10.0, help="seconds between SSE keep-alive comments on a quiet stream"
@@ -73,8 +73,8 @@ def _check(args: argparse.Namespace) -> None:
 def api_key(args: argparse.Namespace) -> str | None:
     """--api-key, else $TANDEM_API_KEY; None (no check) when neither is set."""
     key = args.api_key if args.api_key is not None else os.environ.get("TANDEM_API_KEY")
-    if key is not None and not key.strip():
-        raise ValueError("--api-key (or TANDEM_API_KEY) must not be empty")
+    if key is not None and not all(k.strip() for k in key.split(",")):
+        raise ValueError("--api-key (or TANDEM_API_KEY) must not be empty, nor hold an empty key between commas")
     return key.strip() if key is not None else None
 
 

@@ -28,7 +28,8 @@ class ServeConfig:
     request_timeout_s: float = 600.0  # a request still unanswered then gets 504 and its job is cancelled
     max_body_bytes: int = 32 << 20  # bigger bodies get 413
     served_model_name: str | None = None  # the name to answer to (default: what the workers serve)
-    # When set, every endpoint but /health wants "Authorization: Bearer <api_key>" (vLLM's --api-key).
+    # When set, every endpoint but /health wants "Authorization: Bearer <api_key>" (vLLM's --api-key);
+    # several keys, separated by commas, give several clients each their own jobs.
     api_key: str | None = None
     # A stream with nothing to send sends an SSE comment this often, so that proxies and clients
     # with read timeouts do not take a long prompt's wait (or a queued job) for a dead server.
@@ -238,15 +239,26 @@ def _retrieve(task: asyncio.Future) -> None:
         task.exception()
 
 
+def api_keys(config: ServeConfig) -> tuple[str, ...]:
+    """The keys the server accepts: `api_key` holds one, or several separated by commas (one
+    per client, so that each client's jobs are its own: see owner_of)."""
+    if config.api_key is None:
+        return ()
+    return tuple(k.strip() for k in config.api_key.split(",") if k.strip())
+
+
 def require_api_key(request: Request) -> None:
     """The API key check, a dependency of every router but /health's. Compared in constant
     time (hmac.compare_digest), so the answer's timing says nothing of how much of a guess
     was right; a missing or wrong key is 401 in OpenAI's shape, with the same message."""
-    key = context(request).config.api_key
-    if key is None:
+    keys = api_keys(context(request).config)
+    if not keys:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+    presented = given.strip().encode()
+    # Every key is compared (no early exit), so the timing does not say which key came close.
+    matched = [hmac.compare_digest(presented, k.encode()) for k in keys]
+    if scheme.lower() != "bearer" or not any(matched):
         raise APIError(
             401,
             "missing or invalid API key: send 'Authorization: Bearer <key>'",
