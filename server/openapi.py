@@ -104,6 +104,7 @@ SCHEMAS: dict[str, dict] = {
         "description": "task generate: prompt or messages, and SamplingParams fields; task detect: image, url or path",
         "properties": {
             "task": {"enum": ["generate", "detect"]},
+            "model": {"type": "string", "minLength": 1},
             "job_id": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"},
             "prompt": {"oneOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]},
             "messages": _MESSAGES,

@@ -88,6 +88,24 @@ def test_a_prompt_over_max_model_len_says_which_flag_lifts_it(capsys, tiny_llama
     assert "raise the limit with --max-model-len (this model takes up to 1024)" in line
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_max_tokens_past_the_context_is_a_usage_error_naming_the_flag(capsys, monkeypatch, tiny_llama_dir, command):
+    # The engine refuses what it used to cut silently (the answer ended "length" early); the
+    # CLI says which flag to lower, and chat takes the next line instead of exiting.
+    argv = ["--model", tiny_llama_dir, "--max-model-len", "128", "--max-tokens", "500"]
+    if command == "generate":
+        code = main(["generate", *argv, "--no-chat-template", "hi there"])
+    else:
+        monkeypatch.setattr("sys.stdin", io.StringIO("hi there\n"))
+        code = main(["chat", *argv])
+    out, err = capsys.readouterr()
+    assert code == (2 if command == "generate" else 0), err
+    (line,) = [x for x in err.splitlines() if "error:" in x]
+    assert "--max-tokens must be at most" in line and "got 500" in line and "max_tokens" not in line, line
+    assert "lower --max-tokens" in line and "--max-model-len (this model takes up to 1024)" in line, line
+    assert "finish_reason" not in err  # nothing was generated
+
+
 def test_max_model_len_beyond_the_model_names_the_flag(capsys, tiny_llama_dir):
     code, _, err = _generate(capsys, tiny_llama_dir, "hi", "--max-model-len", "5000")
     assert code == 2 and "--max-model-len must be <= the model's 1024" in err

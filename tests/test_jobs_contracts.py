@@ -210,3 +210,16 @@ def test_health_is_503_until_a_live_worker_serves_and_names_what_each_serves(red
         assert client.get("/health", params={"model": "other"}).status_code == 503
         # The worker stops beating: its payload expires, and /health says so again.
         wait_for(lambda: client.get("/health").status_code == 503, 5, "/health to turn 503")
+
+
+def test_one_job_id_with_the_same_arguments_on_another_models_queue_is_a_conflict(store):
+    """A job id names one job: resubmitting it for another model (another queue) is refused,
+    not answered with the first model's job."""
+    jobs = JobClient(settings=store.settings)
+    try:
+        job_id = jobs.submit("hi", max_tokens=4, job_id="one-id", queue="llm.smol")
+        assert jobs.submit("hi", max_tokens=4, job_id="one-id", queue="llm.smol") == job_id  # the same job
+        with pytest.raises(ValueError, match="already used by a job with other arguments"):
+            jobs.submit("hi", max_tokens=4, job_id="one-id", queue="llm.big")
+    finally:
+        jobs.close()

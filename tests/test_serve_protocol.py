@@ -305,6 +305,83 @@ def test_detect_refuses_a_field_it_would_ignore_naming_it(field):
         assert client.post("/v1/detect", json={"url": "http://127.0.0.1/x.jpg"}).status_code != 400
 
 
+class _FleetJobs:
+    """A jobs-mode backend that records what POST /v1/jobs submits, over a fleet given as the
+    workers' payloads: the route's routing and checks, without Redis or workers."""
+
+    mode = "jobs"
+
+    def __init__(self, models: dict[str, int]) -> None:
+        self.payloads = [{"kind": "runtime", "models": [{"name": n, "max_model_len": m}]} for n, m in models.items()]
+        self.submitted: list[tuple[str, dict, str | None]] = []
+
+    async def workers(self) -> list[dict]:
+        return self.payloads
+
+    async def check_capacity(self, queue: str) -> None:
+        pass
+
+    async def submit(self, task, kwargs, *, job_id=None, queue=None, priority=0, max_tokens=0, owner=None):
+        self.submitted.append((task, dict(kwargs), queue))
+        return job_id or f"job-{len(self.submitted)}", True, "queued"
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_job_runs_on_the_model_it_names_and_is_refused_as_the_openai_endpoints_refuse():
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from workers.settings import model_queue
+
+    backend = _FleetJobs({"smol": 2048, "llama": 128})
+    with TestClient(create_app(backend)) as client:
+        resp = client.post("/v1/jobs", json={"prompt": "hi", "model": "llama", "max_tokens": 100})
+        assert resp.status_code == 202, resp.text
+        assert backend.submitted[-1] == ("tandem.generate", {"prompt": "hi", "max_tokens": 100}, model_queue("llama"))
+        # max_tokens is held to the named model's context, not the largest served one's
+        resp = client.post("/v1/jobs", json={"prompt": "hi", "model": "llama", "max_tokens": 200})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", resp.text
+        assert "(128)" in resp.json()["error"]["message"]
+        resp = client.post("/v1/jobs", json={"prompt": "hi", "model": "smol", "max_tokens": 200})
+        assert resp.status_code == 202 and backend.submitted[-1][2] == model_queue("smol"), resp.text
+        num_submitted = len(backend.submitted)
+        for model, status in ((None, 400), ("nobody", 404), ("x" * 10_000, 404)):
+            body = {"prompt": "hi"} | ({} if model is None else {"model": model})
+            job, openai = client.post("/v1/jobs", json=body), client.post("/v1/completions", json=body)
+            assert job.status_code == openai.status_code == status, job.text
+            assert job.json() == openai.json()  # the same answer, word for word
+            err = job.json()["error"]
+            assert err["param"] == "model" and len(err["message"]) <= 300, err
+            if model is not None:
+                assert model[:20] in err["message"]
+        for model in (5, "", ["smol"]):
+            resp = client.post("/v1/jobs", json={"prompt": "hi", "model": model})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "model", resp.text
+        assert len(backend.submitted) == num_submitted  # nothing refused reached the backend
+
+
+def test_a_job_with_no_llm_worker_up_waits_on_the_llm_queue_unless_it_names_a_model():
+    from fastapi.testclient import TestClient
+
+    from server.app import ServeConfig, create_app
+    from workers.settings import model_queue
+
+    backend = _FleetJobs({})
+    with TestClient(create_app(backend)) as client:
+        assert client.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 10**6}).status_code == 202
+        assert backend.submitted[-1][2] == "llm"
+        resp = client.post("/v1/jobs", json={"prompt": "hi", "model": "smol"})
+        assert resp.status_code == 503 and resp.headers["retry-after"], resp.text
+    backend = _FleetJobs({"smol": 2048})  # one model: named by its --served-model-name, or not at all
+    with TestClient(create_app(backend, ServeConfig(served_model_name="alias"))) as client:
+        for body in ({"prompt": "hi", "model": "alias"}, {"prompt": "hi"}):
+            assert client.post("/v1/jobs", json=body).status_code == 202
+            assert backend.submitted[-1][2] == model_queue("smol")
+        assert client.post("/v1/jobs", json={"prompt": "hi", "model": "smol"}).status_code == 404
+
+
 def test_choice_seeds_keep_choice_0_and_differ_for_the_others():
     assert protocol.choice_seed(7, 0) == 7
     seeds = {protocol.choice_seed(7, i) for i in range(16)} | {protocol.choice_seed(8, i) for i in range(1, 16)}

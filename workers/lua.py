@@ -80,7 +80,7 @@ end
 """
 
 # ARGV: prefix, id, task, queue, digest, message, broker list, now, ttl, max_tokens, submitter|''
-# -> {'new'|'exists', state}; {'conflict', state} when the id was used with other arguments;
+# -> {'new'|'exists', state}; {'conflict', state} when the id was used with other arguments or queue;
 #    {'owned', ''} when another submitter (contract G's owner) holds the id.
 SUBMIT = (
     _PRELUDE
@@ -90,7 +90,10 @@ local state = redis.call('HGET', jobkey(id), 'state')
 if state then
   -- Another caller's job id: refused without saying anything of the job (its state stays theirs).
   if (redis.call('HGET', jobkey(id), 'submitter') or '') ~= caller then return {'owned', ''} end
-  if redis.call('HGET', jobkey(id), 'digest') ~= ARGV[5] then return {'conflict', state} end
+  -- Same arguments on another queue (another model) is another job, not this one.
+  if redis.call('HGET', jobkey(id), 'digest') ~= ARGV[5] or redis.call('HGET', jobkey(id), 'queue') ~= ARGV[4] then
+    return {'conflict', state}
+  end
   return {'exists', state}
 end
 create_job(id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[8], ARGV[9], ARGV[10])

@@ -83,11 +83,19 @@ def load_llm(args):
 
 
 def _prompt_error(llm, exc: ValueError) -> UsageError:
+    """A refused prompt as a usage error that names the flags to change. A prompt plus
+    --max-tokens past the context (the engine refuses it rather than cut the answer short) is
+    fixed first by --max-tokens: a bigger --max-model-len costs KV cache, and the model may
+    already be at its own limit."""
     message = _flagged(str(exc))
-    if "--max-model-len" in message:
-        model_max = getattr(llm.engine.loaded.config, "max_position_embeddings", None)
-        if model_max and llm.engine.max_model_len < model_max:
-            message += f"; raise the limit with --max-model-len (this model takes up to {model_max})"
+    model_max = getattr(llm.engine.loaded.config, "max_position_embeddings", None)
+    can_raise = bool(model_max and llm.engine.max_model_len < model_max)
+    if message.startswith("--max-tokens must be at most"):
+        message += "; lower --max-tokens" + (
+            f", or raise --max-model-len (this model takes up to {model_max})" if can_raise else ""
+        )
+    elif "--max-model-len" in message and can_raise:
+        message += f"; raise the limit with --max-model-len (this model takes up to {model_max})"
     return UsageError(message)
 
 

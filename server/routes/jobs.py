@@ -2,8 +2,10 @@
 live in Redis, so this needs workers (not --embedded).
 
 A generate job passes the same checks as the OpenAI endpoints (protocol.check_job: finite
-numbers, known roles, ...) before workers/jobspec.py's. With an API key, each job belongs to
-the key that submitted it (contract G): another key gets 404, as if it did not exist.
+numbers, known roles, ...) before workers/jobspec.py's, and names its model as they do (`model`:
+a served name, which picks that model's queue, workers.settings.model_queue). With an API key,
+each job belongs to the key that submitted it (contract G): another key gets 404, as if it did
+not exist.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from server import openapi, protocol
 from server.common import KEEPALIVE, TICK, context, owner_of, ticking
 from server.protocol import APIError
-from server.routes.models import served_models
+from server.routes.models import pick_model, served_models
 
 router = APIRouter()
 _STREAM_ID = re.compile(r"(\d{1,20})(?:-(\d{1,20}))?")
@@ -60,17 +62,26 @@ def _missing(job_id: str) -> APIError:
     return APIError(404, f"job {job_id} does not exist (or expired)", "job_id")
 
 
-async def _check_max_tokens(request: Request, body: dict) -> None:
-    """max_tokens past every served model's context can never run: 400 now, not a failed job
-    later. With no LLM worker up the job may wait for one, so only the checks above apply."""
-    mt = body.get("max_tokens")
-    if not isinstance(mt, int) or isinstance(mt, bool):
-        return
-    lens = [m.get("max_model_len") or 0 for m in (await served_models(context(request))).values()]
-    if lens and all(lens) and mt > max(lens):
+async def _generate_queue(request: Request, model: object, body: dict) -> str:
+    """The queue of the model the job names, resolved as the OpenAI endpoints resolve it
+    (models.pick_model: 404 for a model nobody serves, 400 for none named among several), and
+    max_tokens past that model's context refused now (400), not failed later. With no LLM worker
+    up, a job naming no model waits on the plain `llm` queue for the first one; one naming a
+    model cannot be checked, so it gets pick_model's 503."""
+    from workers.settings import model_queue
+
+    if model is not None and (not isinstance(model, str) or not model):
+        raise protocol.bad("model", f"model must be a non-empty string, got {protocol.clip(model)}")
+    models = await served_models(context(request))
+    if model is None and not models:
+        return "llm"
+    served = pick_model(models, model)
+    mt, max_len = body.get("max_tokens"), served.get("max_model_len")
+    if max_len and isinstance(mt, int) and not isinstance(mt, bool) and mt > max_len:
         raise protocol.bad(
-            "max_tokens", f"max_tokens must be at most max_model_len ({max(lens)}), got {protocol.clip(mt)}"
+            "max_tokens", f"max_tokens must be at most max_model_len ({max_len}), got {protocol.clip(mt)}"
         )
+    return model_queue(served["model_name"])
 
 
 @router.post("/v1/jobs", status_code=202, openapi_extra=openapi.request_body("Job"))
@@ -89,10 +100,11 @@ async def submit_job(request: Request) -> dict:
     from workers.jobspec import parse_detect, parse_generate
 
     if task == "generate":
+        model = body.pop("model", None)  # routing, not a job field: it picks the queue
         protocol.check_job(body)  # the OpenAI endpoints' checks; messages come back cleaned
-        await _check_max_tokens(request, body)
+        queue = await _generate_queue(request, model, body)
         spec = parse_generate(body)
-        queue, name, max_tokens = "llm", "tandem.generate", spec.params.max_tokens or 0
+        name, max_tokens = "tandem.generate", spec.params.max_tokens or 0
     else:
         for key in ("url", "path"):
             if isinstance(body.get(key), str):
@@ -105,7 +117,13 @@ async def submit_job(request: Request) -> dict:
     await b.check_capacity(queue)
     try:
         job_id, created, state = await b.submit(
-            name, body, job_id=job_id, priority=spec.priority, max_tokens=max_tokens, **owned(request, b.submit)
+            name,
+            body,
+            job_id=job_id,
+            queue=queue,
+            priority=spec.priority,
+            max_tokens=max_tokens,
+            **owned(request, b.submit),
         )
     except ValueError as exc:
         if "already used" in str(exc):  # the same job id with other arguments (or another owner's)

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 
 from server.backends import worker_models
 from server.common import ServerContext, context
-from server.protocol import APIError, Generation
+from server.protocol import APIError, Generation, clip
 
 router = APIRouter()
 
@@ -47,19 +47,23 @@ async def served_models(ctx: ServerContext) -> dict[str, dict]:
 async def resolve_model(ctx: ServerContext, gen: Generation) -> dict:
     """The served model the request names (the only one, if it names none), and `gen.model` set
     to the workers' name for it: what backend.generate routes by."""
-    models = await served_models(ctx)
-    if not models:
-        raise APIError(503, "no worker serving an LLM is up yet; retry later", headers={"Retry-After": "2"})
-    if gen.model is None:
-        if len(models) > 1:
-            raise APIError(400, f"model: required when several models are served; served: {sorted(models)}", "model")
-        served = next(iter(models.values()))
-    elif gen.model not in models:
-        raise APIError(404, f"the model {gen.model!r} does not exist; served: {sorted(models)}", "model")
-    else:
-        served = models[gen.model]
+    served = pick_model(await served_models(ctx), gen.model)
     gen.model = served["model_name"]
     return served
+
+
+def pick_model(models: dict[str, dict], name: str | None) -> dict:
+    """The entry of served_models' `models` that `name` names (the only one, if None): the one
+    rule the OpenAI endpoints and the job API share, with their 503, 400 and 404 answers."""
+    if not models:
+        raise APIError(503, "no worker serving an LLM is up yet; retry later", headers={"Retry-After": "2"})
+    if name is None:
+        if len(models) > 1:
+            raise APIError(400, f"model: required when several models are served; served: {sorted(models)}", "model")
+        return next(iter(models.values()))
+    if name not in models:
+        raise APIError(404, f"the model {clip(name)} does not exist; served: {sorted(models)}", "model")
+    return models[name]
 
 
 @router.get("/v1/models")
