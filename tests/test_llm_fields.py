@@ -1,5 +1,5 @@
 """min_p, include_stop_str_in_output, stop_reason, the greedy epsilon, the field bounds,
-structured_outputs refused, and the context limits (contract D) at prepare time."""
+structured_outputs checked (its shape here; compiled by the engine), and the context limits (contract D) at prepare time."""
 
 from __future__ import annotations
 
@@ -37,9 +37,11 @@ def llm(tiny_llama_dir):
         (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(max_tokens=None, min_tokens=-1), "min_tokens"),
-        (dict(structured_outputs={"json": {"type": "object"}}), "structured_outputs"),
-        (dict(structured_outputs={"choice": ["a"]}), "structured_outputs"),
+        (dict(structured_outputs={"json": [1]}), "structured_outputs.json"),
+        (dict(structured_outputs={"choice": ["a", ""]}), "structured_outputs.choice"),
+        (dict(structured_outputs={"grammar": 3}), "structured_outputs.grammar"),
         (dict(structured_outputs={"bogus": 1}), "structured_outputs"),
+        (dict(structured_outputs={}), "structured_outputs"),
         (dict(structured_outputs="json"), "structured_outputs"),
     ],
 )
@@ -49,10 +51,25 @@ def test_bad_fields_are_refused_naming_the_field(kwargs, field):
     assert str(exc.value).startswith(field), str(exc.value)
 
 
-def test_structured_outputs_is_refused_until_built_not_ignored():
-    with pytest.raises(ValueError, match=r"^structured_outputs: 'regex' is not supported yet"):
-        SamplingParams(structured_outputs={"regex": "a+"})
+def test_structured_outputs_of_every_kind_are_accepted_as_given():
+    specs = [
+        {"json": {"type": "object"}},
+        {"json": '{"type": "object"}'},
+        {"json_object": True},
+        {"regex": "a+"},
+        {"choice": ["a", "b"]},
+        {"grammar": 'root ::= "x"'},
+    ]
+    for spec in specs:
+        assert SamplingParams(structured_outputs=spec).structured_outputs is spec  # not rewritten
     assert SamplingParams(structured_outputs=None).structured_outputs is None
+
+
+def test_structured_outputs_are_compiled_at_prepare(llm):
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex could not be compiled"):
+        llm.engine.prepare([1, 2, 3], SamplingParams(structured_outputs={"regex": "a["}))
+    prepared = llm.engine.prepare([1, 2, 3], SamplingParams(structured_outputs={"regex": "a+"}))
+    assert prepared.grammar is not None and prepared.grammar.num_tokens == 0
 
 
 def test_bounds_at_the_limit_are_accepted():

@@ -15,6 +15,16 @@ a step; the runner admits each newcomer on its own and reports the ones it could
 tokens. A runner exception inside the step itself fails exactly the requests of that step's
 plan (aborted in the scheduler, so their KV blocks return, and dropped from the runner), each
 with the error; the engine stays consistent and serves the rest.
+
+Structured outputs (params.structured_outputs; runtime/llm/structured.py): `prepare()` compiles
+the spec (cached per spec) and makes the request's matcher, so a bad spec is a ValueError
+naming structured_outputs.<kind> on the caller's thread, before anything is queued. The matcher
+lives from `add_prepared()` to `_finish()` in `runner.grammars`, where the runner finds it when
+the request joins a step (again after a preemption, past the outputs it kept) and fills the
+request's row of the allowed-token mask before sampling. After each step the engine feeds the
+sampled token to the matcher; a terminated grammar (nothing but EOS may follow) finishes the
+request "stop", and a token the grammar refuses (a bug, or a row with no allowed token left)
+finishes it with an error.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from dataclasses import dataclass
 from runtime.llm.detokenizer import IncrementalDetokenizer, PromptBound, TokenTexts
 from runtime.llm.outputs import RequestMetrics, RequestOutput
 from runtime.llm.sampling_params import SamplingParams
+from runtime.llm.structured import GrammarCompiler, GrammarMatcher
 from runtime.memory import DeviceMemoryManager, MemoryConfig
 from runtime.threads import settle_native_pools
 from schedulers import (
@@ -119,6 +130,7 @@ class PreparedRequest:
     arrival_time: float
     deadline: float | None = None  # monotonic seconds; past it, a still-queued request is rejected
     max_tokens: int = 16  # params.max_tokens, or what the context leaves when that is None
+    grammar: GrammarMatcher | None = None  # params.structured_outputs compiled, one matcher per request
 
 
 class _Tracked:
@@ -135,6 +147,7 @@ class _Tracked:
         "error_code",
         "num_sent",
         "logprobs",
+        "grammar",
     )
 
     def __init__(self, req: Request, prompt: str | None, params: SamplingParams, metrics: RequestMetrics) -> None:
@@ -148,6 +161,7 @@ class _Tracked:
         self.error_code: str | None = None
         self.num_sent = 0  # output tokens already handed to the sink
         self.logprobs: list[dict] | None = None if params.logprobs is None else []  # one per output token
+        self.grammar: GrammarMatcher | None = None
 
 
 class LLMEngine:
@@ -212,6 +226,11 @@ class LLMEngine:
         self.num_failed_steps = 0
         self.last_step_shape = (0, 0)  # (requests, tokens) of the last step, for cost models
         self._deadlines: list[tuple[float, str]] = []  # (deadline, request id), a heap
+        # Made on the first constrained request, not here: building llguidance's view of the
+        # tokenizer took 1.15 s for SmolLM2's 49k tokens (2 busy cores), a cost every engine
+        # start would pay for a feature most of them never use.
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
 
     # ---- requests in ------------------------------------------------------------------------
 
@@ -280,11 +299,30 @@ class LLMEngine:
             raise ValueError(
                 f"stop_token_ids must be token ids in [0, {self.vocab_size}) (the model's vocabulary), got {bad[:4]!r}"
             )
+        grammar = None
+        if params.structured_outputs is not None:
+            # Compiled here, on the caller's thread: a schema the grammar engine refuses is the
+            # caller's ValueError, and the engine's thread never waits on a compile.
+            grammar = self.grammar_compiler().compile(params.structured_outputs).matcher()
         with self._ids_lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         now = time.monotonic()
         deadline = None if deadline_s is None else now + deadline_s
-        return PreparedRequest(rid, text, ids, params, priority, now, deadline, max_tokens)
+        return PreparedRequest(rid, text, ids, params, priority, now, deadline, max_tokens, grammar)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler (made on first use; safe on any thread)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs: grammars need a tokenizer; this model has none")
+                try:
+                    self._grammar_compiler = GrammarCompiler(
+                        self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids
+                    )
+                except ValueError as e:  # a tokenizer wider than the model's logits
+                    raise ValueError(f"structured_outputs: this model cannot be constrained: {e}") from None
+            return self._grammar_compiler
 
     def _max_tokens(self, params: SamplingParams, num_prompt: int) -> int:
         """The request's output limit. An explicit max_tokens the context cannot hold is refused
@@ -309,6 +347,8 @@ class LLMEngine:
         if rid in self._tracked:
             raise ValueError(f"request_id {rid!r} is already in use")
         params = p.params
+        if (params.structured_outputs is None) != (p.grammar is None):
+            raise ValueError("structured_outputs: a request is queued with its matcher from prepare(), and only then")
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -336,6 +376,10 @@ class LLMEngine:
                 params.include_stop_str_in_output,
             )
         t.sink = sink
+        if p.grammar is not None:
+            t.grammar = p.grammar
+            self.runner.grammar_compiler = self._grammar_compiler
+            self.runner.grammars[rid] = p.grammar
         self._tracked[rid] = t
         return rid
 
@@ -435,6 +479,8 @@ class LLMEngine:
                 continue
             if t.logprobs is not None:  # the runner sent (ids, logprobs) for its one new token
                 t.logprobs.append(self._logprob_entry(*logprobs[rid]))
+            if t.grammar is not None and not self._advance_grammar(t, tokens, outs.finished):
+                continue  # finished with an error: no text to stream
             times = t.metrics.token_times
             if not times:
                 t.metrics.first_token_time = now
@@ -455,6 +501,25 @@ class LLMEngine:
             if t.req.request_id in tracked:
                 t.sink(self._output(t, None))
         return finished
+
+    def _advance_grammar(self, t: _Tracked, tokens: list[int], finished: dict[str, str]) -> bool:
+        """Feed the step's tokens to the request's matcher. A terminated grammar finishes the
+        request "stop" (even under ignore_eos or before min_tokens: only EOS could follow); a
+        refused token finishes it with an error (False)."""
+        g, rid = t.grammar, t.req.request_id
+        for tok in tokens:
+            if not g.accept_token(tok):
+                self.scheduler.abort(rid)
+                # llguidance's message ends with the whole grammar: its first line says what failed.
+                why = (g.error.strip().splitlines() or ["no reason given"])[0][:400]
+                t.error = f"structured_outputs: the grammar does not allow the sampled token {tok}: {why}"
+                t.error_code = "engine_error"
+                finished[rid] = "abort"
+                return False
+        if g.is_terminated and rid not in finished:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            finished[rid] = "stop"
+        return True
 
     def _logprob_entry(self, ids: list[int], values: list[float]) -> dict:
         """Contract B's entry for one token: the sampled token (ids[0]) and its top alternatives."""
@@ -523,6 +588,8 @@ class LLMEngine:
     def _finish(self, t: _Tracked, reason: str, now: float) -> RequestOutput:
         t.metrics.finished_time = now
         self._tracked.pop(t.req.request_id, None)
+        if t.grammar is not None:
+            self.runner.grammars.pop(t.req.request_id, None)
         detok = t.detok
         if detok is not None:
             if t.sink is None and not t.params.stop:

@@ -7,6 +7,12 @@ reads its decodes' tables, positions and slots with a few vectorized ops and han
 torch without copying. It runs the model once, samples all rows at once, and syncs with the
 host once, in the final `to_host` (the sampled ids, with the logprobs of the rows that asked).
 
+Rows of requests held to a grammar (structured outputs) get their allowed-token mask: the
+engine registers each such request's matcher in `grammars`; `_sample` fills the masks of all the
+step's constrained rows in one `fill_bitmasks` call into a reusable host buffer and hands them
+to the sampler, which masks those rows on the device. Logprobs still read the raw logits. The
+matcher advances (accept_token) in the engine, once the tokens are on the host.
+
 Attention runs, on CPU, on the C++ kernel that reads the blocks in place
 (kernels/cpu_attention.py, "cpp", where it builds) or the torch reference
 (kernels/paged_attention.py, "torch"), and on the Triton kernels (kernels/triton_attention.py)
@@ -55,6 +61,7 @@ from runtime.llm.loader import DTYPES, LoadedModel
 from runtime.llm.model import AttentionMetadata, LlamaModel, ModelSpec, PrefillChunk
 from runtime.llm.sampler import Sampler, SamplingBatch, compute_logprobs, row_seed, to_host
 from runtime.llm.sampling_params import GREEDY_EPS
+from runtime.llm.structured import GrammarCompiler, GrammarMatcher
 from runtime.memory import DeviceMemoryManager
 from schedulers.plan import StepPlan, StepResult
 
@@ -93,6 +100,7 @@ class _RequestState:
     penalized: bool = False  # has a row in sampler.penalties
     min_p: float = 0.0
     num_logprobs: int | None = None  # None: no logprobs
+    grammar: GrammarMatcher | None = None  # structured outputs: the request's matcher (the engine's)
 
 
 class ModelRunner:
@@ -214,6 +222,15 @@ class ModelRunner:
         self.sampler = Sampler(spec.vocab_size, self.device)
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.pad_block)
         self.requests: dict[str, _RequestState] = {}
+        # Structured outputs. The engine owns both: it sets the compiler when the first
+        # constrained request arrives, and keeps each constrained request's matcher here from
+        # add to finish. A matcher belongs to the request, not to its runner state: a preempted
+        # request is dropped from `requests` and re-admitted with its outputs as prompt, and
+        # finds its matcher here, already past those outputs.
+        self.grammar_compiler: GrammarCompiler | None = None
+        self.grammars: dict[str, GrammarMatcher] = {}
+        self._grammar_mask = None  # host int32 [max_num_seqs, words], made on first use
+        self._max_num_seqs = max_num_seqs
         self.last_logits: torch.Tensor | None = None  # the last step's logits, for tests and debugging
         self.num_graph_steps = 0  # steps run by the captured graph
         if capture:
@@ -295,7 +312,10 @@ class ModelRunner:
             penalized=sp is not None and sp.has_penalties,
             min_p=float(sp.min_p) if sp is not None else 0.0,
             num_logprobs=sp.logprobs if sp is not None else None,
+            grammar=self.grammars.get(nr.request_id),
         )
+        if sp is not None and sp.structured_outputs is not None and self.requests[nr.request_id].grammar is None:
+            raise ValueError("structured_outputs: no grammar matcher was registered for this request")
         self.batch.add(nr.request_id, nr.block_ids)
         # Blocks past the prefix-cache hit are new to this request: zero them (see execute).
         fresh.extend(nr.block_ids[-(-nr.num_computed_tokens // self.block_size) :])
@@ -434,7 +454,22 @@ class ModelRunner:
         out: list[list[int]] = [[] for _ in plan.req_ids]
         if logits is None:
             return RunnerResult(sampled_token_ids=out, failed=failed)
-        sbatch = self._sampling_batch([states[i] for i in sample_idx], [plan.req_ids[i] for i in sample_idx])
+        sampled = [states[i] for i in sample_idx]
+        sbatch = self._sampling_batch(sampled, [plan.req_ids[i] for i in sample_idx])
+        # No constrained request anywhere (the common case): not even a scan of the rows.
+        grammar_rows = [row for row, st in enumerate(sampled) if st.grammar is not None] if self.grammars else []
+        if grammar_rows:
+            # The masks are filled here, after the forward is launched and before the sampler:
+            # on CUDA the forward's kernels are queued asynchronously and still running when the
+            # host gets here (unless something in the forward synced), so the fill overlaps them
+            # (not yet measured on a GPU); on CPU the forward is synchronous and the fill simply
+            # precedes sampling (0.3 ms for one JSON row, benchmarks/structured.py). One
+            # fill_bitmasks call for every constrained row of the step (llguidance's native
+            # threads, without the GIL). The buffer's previous contents are no longer read: the
+            # last step's to_host synced after its copy to the device.
+            mask = self._grammar_bitmask(len(grammar_rows))
+            self.grammar_compiler.fill_bitmasks([(sampled[r].grammar, k) for k, r in enumerate(grammar_rows)], mask)
+            sbatch.grammar_rows, sbatch.grammar_mask = grammar_rows, mask
         tokens_t = self.sampler(logits, sbatch)
         logprobs: dict[str, tuple[list[int], list[float]]] = {}
         if sbatch.logprobs:
@@ -448,6 +483,12 @@ class ModelRunner:
             states[i].token_ids.append(tok)
             out[i] = [tok]
         return RunnerResult(sampled_token_ids=out, failed=failed, logprobs=logprobs)
+
+    def _grammar_bitmask(self, rows: int):
+        mask = self._grammar_mask
+        if mask is None or mask.shape[0] < rows:
+            mask = self._grammar_mask = self.grammar_compiler.allocate_bitmask(max(rows, self._max_num_seqs))
+        return mask
 
     def _graph_ready(self) -> bool:
         g = self.graph

@@ -42,10 +42,13 @@ min_tokens masking and temperature (vLLM's default, "raw_logprobs"): one float32
 over those rows, one gather of the sampled tokens and one topk for the largest k asked; the
 small [rows, k + 1] results reach the host in the step's one sync (`to_host`).
 
-Where constrained decoding (structured outputs) would go: a per-row allowed-token bitmask
-applied to the logits in `Sampler.__call__`, after the penalties and before `_sample` (so that
-greedy, min_tokens suppression and the race all see it), and never to the logits `logprobs`
-reads (those stay raw, as vLLM reports them).
+Constrained decoding (structured outputs, runtime/llm/structured.py): the rows of
+`SamplingBatch.grammar_rows` get their allowed-token bitmask applied to the logits in
+`Sampler.__call__`, after the penalties and before `_sample` (so that greedy, min_tokens
+suppression and the race all see it): an unpack of the int32 words and one `where` over those
+rows on the logits' device, no loop over tokens and no host sync (the host mask is pinned on
+CUDA and copied non-blocking). A batch without grammar rows skips it and costs nothing more.
+Never applied to the logits `logprobs` reads: those stay raw, as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+
+from runtime.llm.structured import apply_token_bitmask
 
 _MASK63 = (1 << 63) - 1
 _CANDIDATES = 256  # top-p candidates taken per row before falling back to a full sort
@@ -101,6 +106,10 @@ class SamplingBatch:
     min_p: list[float] | None = None  # per row, 0 = off; None = off for every row
     # (row, k) for rows that want logprobs: the sampled token's and the top k alternatives'.
     logprobs: list[tuple[int, int]] = field(default_factory=list)
+    # Rows held to a grammar, and their allowed tokens: grammar_mask[k] (host int32 [>= rows,
+    # ceil(vocab / 32)], structured.py's layout) is the mask of row grammar_rows[k].
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -254,6 +263,10 @@ class Sampler:
             pen_slots = self.penalties.slots([rid for _, rid in batch.penalized])
             logits = logits.clone()
             logits[pen_rows] = self.penalties.apply(logits[pen_rows], pen_slots)
+        if batch.grammar_rows:
+            if pen_rows is None:  # the caller's logits stay raw (logprobs read them)
+                logits = logits.clone()
+            apply_token_bitmask(logits, batch.grammar_mask, batch.grammar_rows)
         tokens = self._sample(logits, batch)
         if pen_rows is not None:
             self.penalties.record(pen_slots, tokens[pen_rows])

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# structured.py imports neither torch nor llguidance at module level: workers/jobspec.py, which
+# imports this module, stays torch-free.
+from runtime.llm.structured import StructuredSpec
+
 # Temperatures below this are greedy, as vLLM's _SAMPLING_EPS: 1/T overflows float32 long before
 # T reaches 0 (T = 1e-320 made every logit inf, the softmax NaN, and the text empty).
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 MAX_STOP = 64  # stop strings, and stop token ids, per request
 MAX_STOP_LEN = 512  # characters per stop string: the detokenizer rescans this much text per step
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def _is_int(v) -> bool:
@@ -43,7 +46,10 @@ class SamplingParams:
     logprobs: int | None = None
     min_p: float = 0.0  # in [0, 1]: drop tokens whose probability is below min_p * the top one's
     include_stop_str_in_output: bool = False
-    structured_outputs: dict | None = None  # not built yet: anything but None is refused
+    # One key of json (a JSON-schema dict or its text), json_object (True), regex, choice (a list
+    # of strings), grammar (Lark / GBNF): the output is held to it (runtime/llm/structured.py).
+    # Its shape is checked here; whether the grammar engine compiles it, at the engine's prepare.
+    structured_outputs: dict | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -102,14 +108,10 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        so = self.structured_outputs
-        if so is not None:
-            if not isinstance(so, dict) or len(so) != 1 or next(iter(so)) not in STRUCTURED_KINDS:
-                raise ValueError(
-                    f"structured_outputs must be None or a dict with exactly one key of {STRUCTURED_KINDS}, got {so!r}"
-                )
-            # Refused rather than ignored: output that silently breaks the schema is worse than an error.
-            raise ValueError(f"structured_outputs: {next(iter(so))!r} is not supported yet")
+        if self.structured_outputs is not None:
+            # Checked, not rewritten: the caller's dict stays as given (the engine parses it again,
+            # cheaply, when it compiles it).
+            StructuredSpec.parse(self.structured_outputs)
 
     @property
     def has_penalties(self) -> bool:
