@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cv2
 import numpy as np
@@ -21,6 +22,14 @@ from sources.media import ImageTooLarge, capture_size_error, check_pixels
 from sources.mjpeg import NotMjpeg, iter_mjpeg
 
 TERMINAL = ("ended", "failed", "closed")
+
+
+class Dialled(NamedTuple):
+    """What a guarded reader connects to, as the URL guard answered at this (re)connect."""
+
+    url: str  # the checked, normalised URL: its path is the one the guard matched, so it is sent
+    pinned: str  # the same with the checked address in place of the host, for FFmpeg
+    address: str  # the checked address the MJPEG client dials (the name goes in Host and SNI)
 
 
 @dataclass(slots=True)
@@ -84,12 +93,11 @@ class StreamReader:
         config: StreamConfig,
         cond: threading.Condition,
         on_error: Callable[[Frame], None],
-        dial: Callable[[str], tuple[str, str]] | None = None,
+        dial: Callable[[str], Dialled] | None = None,
     ) -> None:
         self.stream, self.url, self.config = stream, url, config
         # `dial` (a URL a remote caller gave): called at every (re)connect, it checks the URL
-        # again (raising ValueError when refused) and answers (the URL FFmpeg opens, with the
-        # checked address in place of the host; that address, which the MJPEG client dials).
+        # again (raising ValueError when refused) and answers what to connect to (Dialled).
         self.dial = dial
         self._cond = cond
         self._on_error = on_error
@@ -204,11 +212,13 @@ class StreamReader:
         return self._capture(int(url) if url.isdigit() else url, pace="://" not in url and not url.isdigit())
 
     def _dialled(self, url: str) -> Iterator[np.ndarray]:
-        pinned, address = self.dial(url)  # in the generator: a refusal is a failure like any other
-        if url.lower().startswith(("http://", "https://")):
-            yield from self._http(url, address)
+        checked = self.dial(url)  # in the generator: a refusal is a failure like any other
+        if checked.url.startswith(("http://", "https://")):  # the guard lower-cases the scheme
+            # The checked URL, not the caller's text: nginx serves GET /cams//../admin as /admin,
+            # while the guard matched /cams/admin against the prefix.
+            yield from self._http(checked.url, checked.address)
         else:
-            yield from self._capture(pinned, pace=False)
+            yield from self._capture(checked.pinned, pace=False)
 
     def _http(self, url: str, address: str | None = None) -> Iterator[np.ndarray]:
         c = self.config

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from test_jobs_support import REPO, RedisServer, wait_for
@@ -325,6 +326,36 @@ def test_remote_cameras_pass_the_url_guard_when_added_and_at_every_connect(r, ma
     moved.add("moved", url)
     wait_for(lambda: "10.0.0.9, a private address" in (_row(moved, "moved")["last_error"] or ""), SAFETY_S, "refusal")
     assert _row(moved, "moved")["frames"] == 0 and _row(moved, "moved")["up"] == 0
+
+
+def test_a_remote_http_camera_is_requested_at_the_path_the_guard_checked(r, make_service):
+    # nginx (merge_slashes) serves GET /cams//../admin as /admin, while the guard normalises
+    # it to /cams/admin, under the prefix: so the reader must send the normalised path.
+    paths: list[str] = []
+    requested = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            paths.append(self.path)
+            requested.set()
+            self.send_response(404)
+            self.end_headers()
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        service = make_service(r, allowed_url_prefixes=(base + "/cams/",))
+        service.add("nested", base + "/cams//../admin")
+        assert requested.wait(SAFETY_S), "the camera's reader never connected"
+        assert paths[0] == "/cams/admin"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def test_cameras_are_added_and_removed_through_the_redis_control_list(r, make_service, cams):

@@ -244,6 +244,27 @@ def test_paths_are_matched_after_normalising_and_escapes_that_hide_segments_are_
     refused(url, PREFIX)
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/img/..;/secret.png",  # Tomcat, Jetty and Spring drop ";params": this is /secret.png to them
+        "/img/.;x/../secret.png",
+        "/img/..;jsessionid=1/secret.png",
+        "/img/%2e%2e;x/secret.png",
+        "/img/..%3Bx/secret.png",  # ';' encoded: decoded, it is the same segment
+        "/img/a/..;",
+    ],
+)
+def test_dot_segments_with_path_parameters_are_refused(path):
+    message = refused("http://img.example" + path, PREFIX)
+    assert message.startswith("url path"), message
+
+
+def test_path_parameters_on_other_segments_pass():
+    assert check_url("http://img.example/img/a;v=1/b.png", PREFIX).target == "/img/a;v=1/b.png"
+    assert check_url("http://img.example/img/...;x/b.png", PREFIX).target == "/img/...;x/b.png"
+
+
 def test_normalised_urls_under_a_prefix_pass_and_are_what_is_requested():
     assert check_url("http://IMG.example/img/a/../b.png?x=1#f", PREFIX).url == "http://img.example/img/b.png?x=1"
     assert check_url("http://img.example/img/caf%C3%A9%20x.png", PREFIX).target == "/img/caf%C3%A9%20x.png"
@@ -280,6 +301,14 @@ def test_the_checked_address_is_dialled_and_the_name_goes_in_host(a):
     n = len(a.hits)
     assert fetch(f"http://img.test:{a.port}/img/../img/b.png", policy) == PNG
     assert a.hits[n:] == [("/img/b.png", f"img.test:{a.port}")]  # normalised path, the name in Host
+
+
+def test_the_fetch_sends_the_normalised_path_the_prefix_was_matched_against(a):
+    # nginx (merge_slashes) would serve a raw GET /cams//../admin as /admin.
+    policy = UrlPolicy(prefixes=(a.url + "/cams/",), allowed_networks=("127.0.0.1/32",))
+    n = len(a.hits)
+    assert fetch(a.url + "/cams//../admin", policy) == PNG
+    assert [path for path, _ in a.hits[n:]] == ["/cams/admin"]
 
 
 def test_traversal_never_reaches_the_server(a):

@@ -48,7 +48,7 @@ from typing import IO, Any
 
 from runtime.vision.records import detection_record
 from sources.base import Frame, is_stream_url
-from sources.stream_reader import StreamConfig, StreamReader
+from sources.stream_reader import Dialled, StreamConfig, StreamReader
 from workers.urlguard import CAMERA_SCHEMES, UrlPolicy, check_url
 
 log = logging.getLogger("tandem.cameras")
@@ -149,7 +149,7 @@ def camera_policy(prefixes: tuple[str, ...] = (), env=None, **overrides) -> UrlP
     return UrlPolicy.from_env(env, **kw, **overrides)
 
 
-def _dial(policy: UrlPolicy, url: str) -> tuple[str, str]:
+def _dial(policy: UrlPolicy, url: str) -> Dialled:
     """What a camera's reader connects to, checked again at every (re)connect, so a name that
     moves to a refused address is refused then (and the camera shows down, naming why).
 
@@ -157,7 +157,7 @@ def _dial(policy: UrlPolicy, url: str) -> tuple[str, str]:
     name again. What stays outside the guard: the RTSP server's own redirects, which FFmpeg
     follows; rtsps:// then has no SNI (FFmpeg does not verify certificates by default anyway)."""
     checked = check_url(url, policy)
-    return checked.pinned(), checked.addresses[0]
+    return Dialled(checked.url, checked.pinned(), checked.addresses[0])
 
 
 def redact(text: str | None) -> str | None:

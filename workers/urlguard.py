@@ -11,7 +11,9 @@ request forgery: vLLM's CVE-2025-6242, SGLang #17269). So, in order:
        are refused instead of guessed at);
     2. the path, normalised before it is matched: percent-decoded, dot segments removed; an
        encoded '/', '\\' or '.' (%2F, %5C, %2E, and the same encoded twice) is refused, since a
-       server that decodes it would see a different path from the one matched;
+       server that decodes it would see a different path from the one matched, and so is a dot
+       segment with ';' parameters ('..;/', a '..' to Tomcat, Jetty and Spring). The normalised
+       path is the one requested, never the caller's text (nginx merges '//' in /a//../b);
     3. the allow-list: under one of the prefixes (same scheme, host and port, and the path at a
        segment boundary: `http://h/img` allows /img and /img/..., not /img2), or any host when
        the policy says so (cameras without --allowed-url-prefixes);
@@ -305,6 +307,11 @@ def _normalise_path(raw: str) -> str:
         raise ValueError("url path is encoded twice (%25...) to hide '/', '\\' or '.'")
     if any(ord(c) < 32 or ord(c) == 127 for c in decoded):
         raise ValueError("url path must not encode control characters")
+    if any(seg.split(";", 1)[0] in (".", "..") for seg in decoded.split("/") if ";" in seg):
+        # Tomcat, Jetty and Spring drop a segment's ";params" before resolving dot segments, so
+        # /img/..;/admin is /admin to them while RFC 3986 (and this guard) keeps "..;" as a name.
+        # Refused rather than resolved: the servers disagree on what such a segment is.
+        raise ValueError("url path must not put ';' parameters on a '.' or '..' segment (e.g. '..;/')")
     return urllib.parse.quote(_remove_dot_segments(decoded), safe=_PATH_SAFE)
 
 
