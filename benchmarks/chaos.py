@@ -584,6 +584,23 @@ def audit_redis(redis_url: str) -> dict[str, dict]:
     return out
 
 
+def link_tickets(audits: dict[str, dict], decode) -> dict[str, str]:
+    """Request id -> the job its ticket links it to, from the tickets in the jobs' prompts. A
+    ticket that more than one job carries is one request run as several jobs: a duplicate,
+    written as evidence into the linked job's audit, so that `account` counts it once (for its
+    request, or as an unlinked job when the request was refused). Pure: a decode function and
+    the audits."""
+    jobs: dict[str, list[str]] = {}
+    for job_id in sorted(audits):  # sorted: the same job is linked however Redis lists them
+        t = ticket_of(audits[job_id], decode)
+        if t is not None:
+            jobs.setdefault(t, []).append(job_id)
+    for t, ids in jobs.items():
+        if len(ids) > 1:
+            audits[ids[0]]["duplicate"].append(f"{len(ids)} jobs carry ticket {t}: {', '.join(ids[:5])}")
+    return {t: ids[0] for t, ids in jobs.items()}
+
+
 def wait_settled(redis_url: str, timeout: float) -> None:
     """Until no job is queued or running (dropped chats' cancels, refused submits that Redis
     recorded), or `timeout`."""
@@ -729,11 +746,7 @@ def run_chaos(args) -> int:
     from runtime.llm.loader import load_model
 
     tok = load_model(args.model).tokenizer
-    tickets = {}
-    for job_id, a in audits.items():
-        t = ticket_of(a, lambda ids: tok.decode(ids))
-        if t is not None:
-            tickets.setdefault(t, job_id)
+    tickets = link_tickets(audits, tok.decode)
     counts = account(ops, audits, tickets)
     linked = [op["job_id"] or tickets.get(op["id"]) for op in ops if op["kind"] != "detect" and op["accepted"]]
     equality = reference_tokens(args, audits, sorted({j for j in linked if j in audits}))

@@ -176,9 +176,11 @@ class JobsBackend:
         created, state = submit_outcome(job_id, *await self._submit(args=args))
         return job_id, created, state
 
-    async def generate(self, gen: Generation, deadline_s: float | None) -> JobStream:
+    async def generate(self, gen: Generation, deadline_s: float | None, owner: str | None = None) -> JobStream:
         """Queue the generation on the queue of the model `gen.model` names (the workers' name,
-        as resolve_model sets it; None: the plain `llm` queue, which any LLM worker takes)."""
+        as resolve_model sets it; None: the plain `llm` queue, which any LLM worker takes).
+        `owner` (contract G, server.common.owner_of): the job is readable, streamable and
+        cancellable through /v1/jobs by that owner only."""
         from workers.settings import model_queue
 
         queue = model_queue(gen.model) if gen.model else "llm"
@@ -193,8 +195,9 @@ class JobsBackend:
             queue=queue,
             priority=kwargs.get("priority", 0),
             max_tokens=max_tokens if isinstance(max_tokens, int) else 0,
+            owner=owner,
         )
-        return JobStream(self, job_id, None if deadline_s is None else time.monotonic() + deadline_s)
+        return JobStream(self, job_id, None if deadline_s is None else time.monotonic() + deadline_s, owner)
 
     async def read_events(
         self, job_id: str, after: str = "0-0", owner: str | None = None, deadline: float | None = None
@@ -475,7 +478,10 @@ class EmbeddedBackend:
             raise RuntimeError(stats["broken"])
         return fleet_health([self._payload()])
 
-    async def generate(self, gen: Generation, deadline_s: float | None) -> HandleStream:
+    async def generate(self, gen: Generation, deadline_s: float | None, owner: str | None = None) -> HandleStream:
+        """`owner` is taken and not used: an embedded generation is no job, its request id is
+        seen by nobody but its own request (the job API refuses --embedded, and cancel here
+        finds nothing), so there is nothing another key could reach."""
         from runtime.llm.sampling_params import SamplingParams
 
         rt = self.runtime

@@ -482,10 +482,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def merged_usage(uses: list[dict]) -> dict:
-    """n choices' usage: the prompt counted once, the completions summed."""
-    if not uses or not all(uses):
-        return uses[0] if uses else {}
-    return usage(uses[0]["prompt_tokens"], sum(u["completion_tokens"] for u in uses))
+    """n choices' usage: the prompt counted once, the completions summed. A choice that reports
+    none ({}: its result could not be read) adds nothing, and takes nothing from the others."""
+    known = [u for u in uses if u]
+    if not known:
+        return {}
+    return usage(known[0]["prompt_tokens"], sum(u["completion_tokens"] for u in known))
 
 
 def logprobs_of(gen: Generation, entries: list[dict] | None, offset: int = 0) -> dict | None:

@@ -59,6 +59,7 @@ def server(tmp_path_factory, tiny_llama_dir):
         started.append(serve)
         worker.wait_ready(make_app(JobSettings(redis_url=redis_server.url)))
         serve.wait_ready()
+        serve.redis_url = redis_server.url  # for the tests that watch their jobs' states
         wait_for(lambda: httpx.get(serve.url + "/v1/models", timeout=5).json()["data"], 30, "the model in /v1/models")
         yield serve
     finally:
@@ -233,25 +234,50 @@ def test_streams_send_keep_alives_while_a_job_waits(server):
     assert events[-1]["data"] == "[DONE]" and json.loads(events[-2]["data"])["choices"][0]["finish_reason"]
 
 
+def _jobs(server) -> dict[str, dict]:
+    """Every job in the server's Redis: id -> its record's state and num_tokens."""
+    import redis
+
+    with redis.Redis.from_url(server.redis_url, decode_responses=True) as r:
+        keys = [k for k in r.scan_iter("tandem:job:*") if k.count(":") == 2]
+        return {k.split(":")[2]: r.hgetall(k) for k in keys}
+
+
 def test_a_client_that_goes_away_is_one_log_line_without_a_traceback(server):
-    before = server.log()
+    before, known = server.log(), set(_jobs(server))
     body = {"prompt": "Count", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         next(iter(r.iter_lines()))
+    streamed = set(_jobs(server)) - known
+    assert len(streamed) == 1, streamed
     plain = json.dumps({"prompt": "Count", "max_tokens": 1000, "ignore_eos": True}).encode()
     with _raw(
         server,
         b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(plain), plain),
     ):
-        time.sleep(0.5)  # the job runs; then the client goes away
+
+        def generating():  # the job runs (it has made tokens); then the client goes away
+            jobs = _jobs(server)
+            mine = [j for j in set(jobs) - known - streamed if int(jobs[j].get("num_tokens") or 0) >= 1]
+            return mine and mine[0]
+
+        plain_job = wait_for(generating, 30, "the plain request's job to make tokens", interval=0.05)
 
     def new_lines():
         lines = server.log()[len(before) :].splitlines()
         return len([x for x in lines if "client went away" in x]) >= 2 and lines
 
-    lines = wait_for(new_lines, 15, "both disconnects in the log", interval=0.1)
-    time.sleep(1.0)  # anything that would follow them (a traceback) has been written by now
+    wait_for(new_lines, 15, "both disconnects in the log", interval=0.1)
+    # Cancelling the jobs is the last of the disconnects' work: once both jobs are final, and a
+    # request after them has been answered, whatever they would log (a traceback) is in the log.
+    wait_for(
+        lambda: all(_jobs(server)[j].get("state") in ("cancelled", "done", "failed") for j in {*streamed, plain_job}),
+        30,
+        "both jobs cancelled",
+        interval=0.05,
+    )
+    assert_serving(server)
     lines = server.log()[len(before) :].splitlines()
     gone = [x for x in lines if "client went away" in x]
     assert len(gone) == 2, lines

@@ -152,7 +152,7 @@ def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict,
     if job.resumed_from:
         rec = host.store.record(job.job_id)  # the first attempt's timings
         prefix_ids, prefix_text, prefix_logprobs = host.store.prefix(job.job_id)
-        reason = _finished_already(rt, params, prefix_ids)
+        reason = _finished_already(rt, params, job.prompt_token_ids, prefix_ids)
         if reason is not None:
             result = _result(host.worker_id, job, rec, job.prompt_token_ids, prefix_ids, prefix_text, reason, None)
             result["logprobs"] = prefix_logprobs if getattr(params, "logprobs", None) is not None else None
@@ -231,9 +231,15 @@ def _stop_reason_of(params, ids: list[int], text: str) -> str | int | None:
     return None
 
 
-def _finished_already(rt, params, ids: list[int]) -> str | None:
-    """Did the previous attempt make the job's last token before its worker died?"""
+def _finished_already(rt, params, prompt_ids: list[int], ids: list[int]) -> str | None:
+    """Did the previous attempt make the job's last token before its worker died? Length
+    first, as the engine decides it: the budget spent, or the context full (max_tokens None
+    takes what the context leaves; resuming there would hand the engine a prompt of
+    max_model_len tokens, which it refuses, and a finished job would end failed)."""
     if params.max_tokens is not None and len(ids) >= params.max_tokens:
+        return "length"
+    max_model_len = getattr(rt, "max_model_len", None)  # the Runtime's: its LLM engine's
+    if max_model_len and len(prompt_ids) + len(ids) >= max_model_len:
         return "length"
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos:

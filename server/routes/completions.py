@@ -19,7 +19,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server import openapi, protocol
-from server.common import KEEPALIVE, TICK, ServerContext, close_stream, context, failure, log, sse_data, ticking, within
+from server.common import (
+    KEEPALIVE,
+    TICK,
+    ServerContext,
+    close_stream,
+    context,
+    failure,
+    log,
+    owner_of,
+    sse_data,
+    ticking,
+    within,
+)
 from server.protocol import APIError, Generation
 from server.routes.models import resolve_model
 
@@ -79,11 +91,12 @@ async def run(gen: Generation, request: Request) -> Response:
         gen.job["max_tokens"] = None  # contract A: what the context leaves after the prompt (vLLM's chat default)
     timeout = ctx.timeout_of(gen)
     deadline = time.monotonic() + timeout
+    owner = owner_of(request)  # contract G: with several API keys, this key's jobs are its own
     choices: list[Choice] = []
     firsts: list[asyncio.Future] = []
     try:
         for i in range(gen.n):
-            stream = await ctx.backend.generate(dataclasses.replace(gen, job=gen.choice_job(i)), timeout)
+            stream = await ctx.backend.generate(dataclasses.replace(gen, job=gen.choice_job(i)), timeout, owner=owner)
             choices.append(Choice(i, stream, stream.events()))
             firsts.append(asyncio.ensure_future(_next(choices[-1])))
         # A refusal (a prompt too long, say) comes at once, and is an HTTP error even for a
@@ -154,13 +167,36 @@ async def _collect(gen: Generation, c: Choice, first: dict) -> dict:
 
 
 async def _pump(c: Choice, first: asyncio.Future, queue: asyncio.Queue) -> None:
-    """Choice c's events into the shared queue, until its final one."""
-    event = await first
-    while True:
-        await queue.put((c, event))
-        if event["type"] in FINAL:
-            return
-        event = await _next(c)
+    """Choice c's events into the shared queue, until its final one. A read that fails (the
+    job's key gone after a Redis restart without its AOF: 404; a replica after a failover:
+    ReadOnlyError) ends the choice with a failed event naming the job: nobody awaits this task,
+    and without that event the stream would send keep-alives until the request's timeout."""
+    try:
+        event = await first
+        while True:
+            await queue.put((c, event))
+            if event["type"] in FINAL:
+                return
+            event = await _next(c)
+    except Exception as exc:  # noqa: BLE001 - reported in the stream, as the choice's failure
+        await queue.put((c, lost_event(c.stream.id, exc)))
+
+
+def lost_event(job_id: str, exc: BaseException) -> dict:
+    """The final event of a choice whose events could no longer be read."""
+    why = exc.message if isinstance(exc, APIError) else f"{type(exc).__name__}: {exc}"
+    return {
+        "type": "failed",
+        "text": "",
+        "job_id": job_id,
+        "finish_reason": "abort",
+        "error": f"lost the events of job {job_id} ({why}); GET /v1/jobs/{job_id} for its state",
+    }
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def _drain(queue: asyncio.Queue) -> AsyncIterator:
@@ -225,6 +261,7 @@ async def sse(
         # No awaiting here: when the client went away this runs inside a cancelled scope.
         for p in [*pumps, *firsts]:
             p.cancel()
+            p.add_done_callback(_retrieve)  # a first that failed is the pump's to report: not logged again
         running = [c.stream.id for c in choices if not c.done]
         cancel(ctx, choices)
         if running and not ended:
