@@ -135,8 +135,8 @@ def test_faults_parse_and_the_random_plan_is_seeded_and_covers_each_kind():
 @pytest.mark.slow
 def test_a_tiny_chaos_run_loses_nothing_and_runs_nothing_twice(tmp_path, tiny_llama_dir):
     out = tmp_path / "chaos"
-    cmd = [sys.executable, "-m", "benchmarks", "chaos", "--duration-s", "25", "--workers", "2"]
-    cmd += ["--model", tiny_llama_dir, "--faults", "kill@4,drop@6,redis-kill@9,drop@12", "--lease-s", "3"]
+    cmd = [sys.executable, "-m", "benchmarks", "chaos", "--duration-s", "16", "--workers", "2"]
+    cmd += ["--model", tiny_llama_dir, "--faults", "kill@3,drop@4,redis-kill@6,drop@8", "--lease-s", "3"]
     cmd += ["--clients", "3", "--max-tokens", "16", "--drain-s", "60", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert (out / "chaos.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -13,8 +13,8 @@ from workers.client import JobClient
 from workers.settings import JobSettings
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS = 160
-PROMPTS = [f"Tale {i} begins" for i in range(6)]
+MAX_TOKENS = 64
+PROMPTS = [f"Tale {i} begins" for i in range(4)]
 SAMPLING = {"temperature": 1.0, "top_p": 0.95, "ignore_eos": True}
 
 

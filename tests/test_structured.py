@@ -348,7 +348,9 @@ SCHEMA_CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
+# Greedy decoding under a grammar runs through the engine in test_llm_structured_engine.py; here the
+# sampled path, token by token on HF, so that both paths are covered once.
+@pytest.mark.parametrize("temperature", [0.7])
 @pytest.mark.parametrize("name,schema,prompt,max_tokens", SCHEMA_CASES, ids=[c[0] for c in SCHEMA_CASES])
 def test_smollm2_follows_json_schemas(model, tokenizer, compiler, name, schema, prompt, max_tokens, temperature):
     spec = {"json": schema}
