@@ -23,7 +23,7 @@ class _Reached(Exception):
 def _submit(prompt, params, **kw):
     if len(prompt) >= MAX_MODEL_LEN:  # as runtime/llm/engine.py refuses it
         raise ValueError(f"prompt has {len(prompt)} tokens, but max_model_len is {MAX_MODEL_LEN}")
-    raise _Reached(prompt, params.max_tokens)
+    raise _Reached(prompt, params.max_tokens, kw.get("num_resumed_outputs"))
 
 
 def _resumed(num_done: int, max_tokens: int | None):
@@ -55,5 +55,6 @@ def test_a_resumed_job_with_room_left_goes_on_in_the_engine(max_tokens):
     host, job, kwargs, outputs = _resumed(MAX_MODEL_LEN - len(PROMPT) - 1, max_tokens)
     with pytest.raises(_Reached) as info:
         generate_body(host, job, kwargs)
-    prompt, left = info.value.args
-    assert prompt == PROMPT + outputs and left == (None if max_tokens is None else max_tokens - len(outputs))
+    prompt, asked, resumed = info.value.args
+    # The job's own max_tokens, and the engine told how many of the prompt's tokens are outputs.
+    assert prompt == PROMPT + outputs and asked == max_tokens and resumed == len(outputs)

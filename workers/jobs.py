@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import CancelledError
-from dataclasses import replace
 
 from runtime.vision.records import detection_record
 from workers.host import ActiveJob, Cancelled, Fenced, WorkerHost
@@ -158,18 +157,17 @@ def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict,
             result["logprobs"] = prefix_logprobs if getattr(params, "logprobs", None) is not None else None
             result["stop_reason"] = _stop_reason_of(params, prefix_ids, prefix_text) if reason == "stop" else None
             return result, ""
-        n = len(prefix_ids)
-        left = None if params.max_tokens is None else params.max_tokens - n  # None: what the context leaves
-        params = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - n))
-        if params.seed is not None:
-            from runtime.llm.sampler import resumed_seed
-
-            # Contract E: the k-th token of this attempt draws what the (n + k)-th of the first
-            # would have, so a seeded job's tokens do not depend on its worker dying.
-            params = replace(params, seed=resumed_seed(params.seed, n))
+        # The engine counts the earlier outputs itself (max_tokens and min_tokens, penalties, the
+        # seeded stream, the grammar, stop strings across the resume point): the job's own params
+        # go unchanged, and its k-th new token is what the uninterrupted job's (n + k)-th would be.
         prompt = job.prompt_token_ids + prefix_ids
     handle = rt.submit_generate(
-        prompt, params, priority=spec.priority, deadline_s=remaining, request_id=f"{job.job_id}#{job.attempt}"
+        prompt,
+        params,
+        priority=spec.priority,
+        deadline_s=remaining,
+        request_id=f"{job.job_id}#{job.attempt}",
+        num_resumed_outputs=len(prefix_ids),
     )
     job.attach(handle)
     sent, emitted = 0, []

@@ -32,6 +32,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
         include_stop_str: bool = False,
+        resumed_token_ids: list[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -47,6 +48,15 @@ class IncrementalDetokenizer:
         self.include_stop_str = include_stop_str  # the stop string stays in the visible text
         self.min_tokens = min_tokens
         self.num_output_tokens = 0
+        self.base = 0  # characters of self.text that belong to the resumed outputs' stream
+        if resumed_token_ids:
+            # A resumed request's earlier outputs, taken one at a time as their first run took
+            # them, then "streamed": what that run had emitted is not this one's text, and what it
+            # held back (a possible stop string's start, an unfinished character) is.
+            for tok in resumed_token_ids:
+                self.add([tok])
+            self.take_delta(False)
+            self.base = self.emitted
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -77,19 +87,22 @@ class IncrementalDetokenizer:
                     # when include_stop_str: "\n\n" rather than "\n").
                     self.stop_at, self.stop_str = min(hits, key=lambda h: (h[0], -len(h[1])))
 
-    def visible_text(self) -> str:
+    def _visible_end(self) -> int:
         if self.stop_at is None:
-            return self.text
-        end = self.stop_at + len(self.stop_str) if self.include_stop_str else self.stop_at
-        return self.text[:end]
+            return len(self.text)
+        return self.stop_at + len(self.stop_str) if self.include_stop_str else self.stop_at
+
+    def visible_text(self) -> str:
+        """The output text (past a resumed request's earlier stream), stop string cut."""
+        return self.text[self.base : max(self.base, self._visible_end())]
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet streamed. While running, hold back what could be the start of a stop
         string, so a stop string is never streamed."""
-        visible = self.visible_text()
+        visible_end = self._visible_end()
         hold = 0 if finished or self.stop_at is not None else max(self.max_stop_len - 1, 0)
-        end = max(self.emitted, len(visible) - hold)
-        delta = visible[self.emitted : end]
+        end = max(self.emitted, visible_end - hold)
+        delta = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return delta
 

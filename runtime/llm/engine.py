@@ -25,6 +25,27 @@ request's row of the allowed-token mask before sampling. After each step the eng
 sampled token to the matcher; a terminated grammar (nothing but EOS may follow) finishes the
 request "stop", and a token the grammar refuses (a bug, or a row with no allowed token left)
 finishes it with an error.
+
+Resumed requests (`num_resumed_outputs=n`): the last n prompt token ids are the request's own
+earlier outputs (a job resumed after its worker died, with the tokens it had streamed). The
+caller passes the request's ORIGINAL SamplingParams (max_tokens, min_tokens, seed untouched);
+the engine treats the n tokens as outputs already made, so the rest is what an uninterrupted
+run would have produced:
+  - max_tokens / min_tokens count them (the scheduler gets max_tokens - n and min_tokens - n;
+    max_tokens is checked against the context as for the original prompt; None = what the
+    context leaves after all the tokens);
+  - presence / frequency penalties count them as sampled; a seeded request's random stream
+    goes on at output index n (no `resumed_seed` needed);
+  - the grammar matcher replays them at prepare (a refused one: ValueError naming
+    num_resumed_outputs);
+  - the detokenizer is seeded with them, so a stop string spanning the resume point is found.
+A request already complete after its n tokens (max_tokens reached, the last one a stop token
+past min_tokens, a stop string in their text, or a terminated grammar) finishes at once, with
+no step, "length" or "stop". Its outputs (token_ids, text, logprobs) hold only what is new:
+`text` begins where a stream of the n tokens would have stopped emitting (the characters held
+back for a stop string or an unfinished UTF-8 character come first), so that the earlier
+attempt's streamed text followed by this one's is the whole text. `prompt_token_ids` stays the
+whole prompt as passed, the n tokens included.
 """
 
 from __future__ import annotations
@@ -131,6 +152,8 @@ class PreparedRequest:
     deadline: float | None = None  # monotonic seconds; past it, a still-queued request is rejected
     max_tokens: int = 16  # params.max_tokens, or what the context leaves when that is None
     grammar: GrammarMatcher | None = None  # params.structured_outputs compiled, one matcher per request
+    num_resumed_outputs: int = 0  # the last n of token_ids are this request's earlier outputs
+    done_reason: str | None = None  # "stop" / "length": complete already after the resumed outputs
 
 
 class _Tracked:
@@ -148,6 +171,7 @@ class _Tracked:
         "num_sent",
         "logprobs",
         "grammar",
+        "resumed_ids",
     )
 
     def __init__(self, req: Request, prompt: str | None, params: SamplingParams, metrics: RequestMetrics) -> None:
@@ -162,6 +186,7 @@ class _Tracked:
         self.num_sent = 0  # output tokens already handed to the sink
         self.logprobs: list[dict] | None = None if params.logprobs is None else []  # one per output token
         self.grammar: GrammarMatcher | None = None
+        self.resumed_ids: list[int] = []  # the earlier outputs a resumed request came with
 
 
 class LLMEngine:
@@ -265,9 +290,12 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         deadline_s: float | None = None,
+        num_resumed_outputs: int = 0,
     ) -> PreparedRequest:
         """Check and tokenize a request; safe on any thread. ValueError names the field.
-        `deadline_s` (seconds from now): if the request is still queued then, it is rejected."""
+        `deadline_s` (seconds from now): if the request is still queued then, it is rejected.
+        `num_resumed_outputs`: how many of the prompt's last tokens are this request's earlier
+        outputs (see the module docstring); `params` are then the original request's."""
         if deadline_s is not None and (
             isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0
         ):
@@ -282,16 +310,22 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt must encode to at least one token")
-        if len(ids) >= self.max_model_len:
+        n = num_resumed_outputs
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < len(ids):
             raise ValueError(
-                f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                f"num_resumed_outputs must be an integer in [0, {len(ids) - 1}] (the prompt's {len(ids)} tokens, "
+                f"at least one of them the original prompt), got {n!r}"
+            )
+        if len(ids) - n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids) - n} tokens, but max_model_len is {self.max_model_len}: "
                 f"the prompt must be shorter than max_model_len to generate anything"
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
         if params.logprobs is not None and self.tokenizer is None:
             raise ValueError("logprobs: token texts need a tokenizer; this model has none")
-        max_tokens = self._max_tokens(params, len(ids))
+        max_tokens, done = self._max_tokens(params, len(ids), n)
         # Token ids index [rows, vocab] tensors in the sampler: one out of range there would
         # fail the whole step, so it is refused here, on the caller's thread.
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -304,11 +338,40 @@ class LLMEngine:
             # Compiled here, on the caller's thread: a schema the grammar engine refuses is the
             # caller's ValueError, and the engine's thread never waits on a compile.
             grammar = self.grammar_compiler().compile(params.structured_outputs).matcher()
+            if n:
+                self._replay_grammar(grammar, ids[-n:])
+        if n and done is None:
+            done = self._resumed_done(params, ids[-n:], grammar)
         with self._ids_lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         now = time.monotonic()
         deadline = None if deadline_s is None else now + deadline_s
-        return PreparedRequest(rid, text, ids, params, priority, now, deadline, max_tokens, grammar)
+        return PreparedRequest(rid, text, ids, params, priority, now, deadline, max_tokens, grammar, n, done)
+
+    @staticmethod
+    def _replay_grammar(grammar: GrammarMatcher, resumed: list[int]) -> None:
+        """Bring a resumed request's matcher to where its earlier outputs left it."""
+        grammar.reset()
+        for i, tok in enumerate(resumed):
+            if not grammar.accept_token(tok):
+                why = (grammar.error.strip().splitlines() or ["no reason given"])[0][:400]
+                raise ValueError(
+                    f"num_resumed_outputs: the grammar of structured_outputs does not allow the resumed output "
+                    f"{i} (token {tok}): {why}"
+                )
+
+    def _resumed_done(self, params: SamplingParams, resumed: list[int], grammar: GrammarMatcher | None) -> str | None:
+        """ "stop" when the earlier outputs already ended the request by token id or grammar
+        (a stop string in their text is the detokenizer's to find, in add_prepared)."""
+        if grammar is not None and grammar.is_terminated:
+            return "stop"
+        if len(resumed) >= params.min_tokens:
+            stop_ids = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids |= self.eos_token_ids
+            if resumed[-1] in stop_ids:
+                return "stop"
+        return None
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The engine's grammar compiler (made on first use; safe on any thread)."""
@@ -324,21 +387,32 @@ class LLMEngine:
                     raise ValueError(f"structured_outputs: this model cannot be constrained: {e}") from None
             return self._grammar_compiler
 
-    def _max_tokens(self, params: SamplingParams, num_prompt: int) -> int:
-        """The request's output limit. An explicit max_tokens the context cannot hold is refused
-        (it used to be cut to fit without a word, and the request ended "length" early);
-        None takes what the context leaves, within what the whole KV pool can hold."""
+    def _max_tokens(self, params: SamplingParams, num_tokens: int, num_resumed: int = 0) -> tuple[int, str | None]:
+        """The scheduler's output limit (what is left after `num_resumed` earlier outputs), and
+        "length" when nothing is left. An explicit max_tokens the context cannot hold is refused
+        (it used to be cut to fit without a word, and the request ended "length" early), checked
+        against the original prompt, as on the request's first attempt; None takes what the
+        context leaves after all `num_tokens`, within what the whole KV pool can hold."""
+        num_prompt = num_tokens - num_resumed
         room = self.max_model_len - num_prompt
         why = f"(max_model_len {self.max_model_len} minus the prompt's {num_prompt} tokens)"
         if params.max_tokens is not None:
             if params.max_tokens > room:
                 raise ValueError(f"max_tokens must be at most {room} {why}, got {params.max_tokens}")
-            return params.max_tokens
+            if num_resumed > params.max_tokens:
+                raise ValueError(
+                    f"num_resumed_outputs must be at most max_tokens={params.max_tokens}, got {num_resumed}"
+                )
+            left = params.max_tokens - num_resumed
+            return (left, None) if left else (1, "length")
         pool = self.runner.kv_pool
-        room = max(1, min(room, pool.num_blocks * pool.block_size - num_prompt))
-        if params.min_tokens > room:
-            raise ValueError(f"min_tokens must be at most {room} {why}, got {params.min_tokens}")
-        return room
+        room = min(room, pool.num_blocks * pool.block_size - num_prompt)
+        if params.min_tokens > max(1, room):
+            raise ValueError(f"min_tokens must be at most {max(1, room)} {why}, got {params.min_tokens}")
+        left = room - num_resumed
+        if num_resumed and left <= 0:  # the earlier outputs filled the context: done, as they would have
+            return 1, "length"
+        return max(1, left), None
 
     def add_prepared(self, p: PreparedRequest, sink: Sink | None = None) -> str:
         """Queue a prepared request (on the engine's thread). With a sink, every step that
@@ -352,16 +426,19 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
+        n = p.num_resumed_outputs
+        # The scheduler counts only what this request samples: the earlier outputs are taken off.
+        min_tokens = min(max(0, params.min_tokens - n), p.max_tokens)
         req = Request(
             rid,
             p.token_ids,
-            StopCriteria(p.max_tokens, params.min_tokens, frozenset(stop_ids)),
+            StopCriteria(p.max_tokens, min_tokens, frozenset(stop_ids)),
             priority=p.priority,
             arrival_time=p.arrival_time,
             sampling=params,
         )
-        self.scheduler.add_request(req)
         t = _Tracked(req, p.prompt, params, RequestMetrics(arrival_time=p.arrival_time, deadline=p.deadline))
+        t.resumed_ids = p.token_ids[len(p.token_ids) - n :] if n else []
         if p.deadline is not None:
             heapq.heappush(self._deadlines, (p.deadline, rid))
         if self.tokenizer is not None:
@@ -369,17 +446,29 @@ class LLMEngine:
             # where text must be seen as it comes (a sink, or stop strings); else once, at the end.
             t.detok = IncrementalDetokenizer(
                 self.tokenizer,
-                p.token_ids,
+                p.token_ids[: len(p.token_ids) - n],
                 params.stop,
                 params.skip_special_tokens,
                 params.min_tokens,
                 params.include_stop_str_in_output,
+                resumed_token_ids=t.resumed_ids,
             )
         t.sink = sink
+        t.grammar = p.grammar
+        done = p.done_reason
+        if done is None and t.detok is not None and t.detok.stop_at is not None:
+            done = "stop"  # a stop string in the earlier outputs' text
+        if done is not None:
+            # Complete already: never scheduled, so nothing holds blocks or runner state.
+            self._tracked[rid] = t
+            self._finish(t, done, time.monotonic())
+            return rid
+        self.scheduler.add_request(req)
         if p.grammar is not None:
-            t.grammar = p.grammar
             self.runner.grammar_compiler = self._grammar_compiler
             self.runner.grammars[rid] = p.grammar
+        if n:
+            self.runner.num_resumed_outputs[rid] = n
         self._tracked[rid] = t
         return rid
 
@@ -391,10 +480,12 @@ class LLMEngine:
         priority: int = 0,
         sink: Sink | None = None,
         deadline_s: float | None = None,
+        num_resumed_outputs: int = 0,
     ) -> str:
         """Queue a request; raises ValueError (naming the field) if it can never run. Nothing
         else in flight is touched by a rejected request."""
-        return self.add_prepared(self.prepare(prompt, params, request_id, priority, deadline_s), sink)
+        prepared = self.prepare(prompt, params, request_id, priority, deadline_s, num_resumed_outputs)
+        return self.add_prepared(prepared, sink)
 
     def abort(self, request_id: str, error: str | None = None, error_code: str | None = None) -> bool:
         """End a request wherever it is (its blocks return at once); False if unknown."""
@@ -590,6 +681,8 @@ class LLMEngine:
         self._tracked.pop(t.req.request_id, None)
         if t.grammar is not None:
             self.runner.grammars.pop(t.req.request_id, None)
+        if t.resumed_ids:
+            self.runner.num_resumed_outputs.pop(t.req.request_id, None)
         detok = t.detok
         if detok is not None:
             if t.sink is None and not t.params.stop:
@@ -635,7 +728,7 @@ class LLMEngine:
         detok = t.detok
         if detok is not None and detok.stop_str is not None:
             return detok.stop_str
-        ids = t.req.output_token_ids
+        ids = t.req.output_token_ids or t.resumed_ids  # finished at once: the earlier outputs' last
         last = ids[-1] if ids else None
         if last is None or (not t.params.ignore_eos and last in self.eos_token_ids):
             return None

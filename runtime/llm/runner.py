@@ -229,6 +229,9 @@ class ModelRunner:
         # finds its matcher here, already past those outputs.
         self.grammar_compiler: GrammarCompiler | None = None
         self.grammars: dict[str, GrammarMatcher] = {}
+        # Resumed requests (the engine's, like `grammars`): how many of the prompt's last tokens
+        # are earlier outputs, which min_tokens, the seeds' output index and the penalties count.
+        self.num_resumed_outputs: dict[str, int] = {}
         self._grammar_mask = None  # host int32 [max_num_seqs, words], made on first use
         self._max_num_seqs = max_num_seqs
         self.last_logits: torch.Tensor | None = None  # the last step's logits, for tests and debugging
@@ -298,10 +301,11 @@ class ModelRunner:
                 raise ValueError(
                     f"{name} must be token ids in [0, {vocab}), got {[t for t in ids if not 0 <= t < vocab][:4]!r}"
                 )
+        num_prompt = nr.num_prompt_tokens - self.num_resumed_outputs.get(nr.request_id, 0)
         self.requests[nr.request_id] = _RequestState(
             token_ids=list(nr.token_ids),
             block_ids=list(nr.block_ids),
-            num_prompt_tokens=nr.num_prompt_tokens,
+            num_prompt_tokens=num_prompt,
             # Below vLLM's epsilon a temperature is greedy (1/T would overflow float32).
             temperature=float(sp.temperature) if sp is not None and sp.temperature >= GREEDY_EPS else 0.0,
             top_k=sp.top_k if sp is not None else 0,
@@ -323,7 +327,7 @@ class ModelRunner:
             self.sampler.penalties.add(
                 nr.request_id,
                 list(nr.token_ids),
-                nr.num_prompt_tokens,
+                num_prompt,
                 sp.repetition_penalty,
                 sp.presence_penalty,
                 sp.frequency_penalty,

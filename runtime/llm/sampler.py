@@ -78,7 +78,11 @@ def resumed_seed(seed: int, tokens_done: int) -> int:
     """The seed under which a request's k-th token draws what `seed`'s (tokens_done + k)-th
     would: a job resumed after `tokens_done` tokens (its worker died) continues the same random
     stream, so a seeded job's tokens do not depend on a restart. row_seed is affine in the seed
-    and the multiplier is odd, so it has an inverse modulo 2**63."""
+    and the multiplier is odd, so it has an inverse modulo 2**63.
+
+    Kept for callers that still resubmit earlier outputs as plain prompt. A request submitted
+    with `num_resumed_outputs=n` (LLMEngine.prepare) continues at output index n by itself and
+    takes the original seed: shifting it here too would skip n draws."""
     inverse = pow(_SEED_MUL, -1, 1 << 63)
     return (seed + tokens_done * _INDEX_MUL * inverse) & _MASK63
 
