@@ -18,7 +18,7 @@ from test_serve import ServeProcess
 
 pytestmark = pytest.mark.slow
 MAX_EXAMPLES = 40
-BUDGET_S = 15.0  # per operation
+BUDGET_S = 8.0  # per operation
 MIN_CASES = 10  # sent, per operation that takes a body or a path parameter
 # 5xx answers this server gives by design, documented, not crashes (their shape is still checked):
 # --embedded keeps no jobs (the job API is 501), and /health?model= for a model nobody serves is
