@@ -189,3 +189,20 @@ def test_a_token_the_grammar_refuses_ends_that_request_with_an_error(llm, monkey
     assert bad.error.startswith("structured_outputs: the grammar does not allow the sampled token"), bad.error
     assert free.error is None and free.token_ids
     assert not llm.engine.runner.grammars  # finished requests leave no matcher behind
+
+
+def test_a_choice_the_tokenizer_cannot_spell_is_refused_at_submit_naming_it(tiny_llama_dir):
+    """SmolLM2's byte-level vocabulary has no token for byte 0x04, nor for 0xf2 (which leads the
+    UTF-8 of U+80000 and above): a choice holding one could never be written, and the grammar
+    failed mid-generation (a 500, found by the fuzz test with an astral character)."""
+    from runtime import LLM, SamplingParams
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_num_seqs=2)
+    bad = SamplingParams(max_tokens=4, structured_outputs={"choice": ["fine", "no\u0004way"]})
+    with pytest.raises(ValueError, match=r"^structured_outputs\.choice\[1\] holds byte\(s\) \['0x4'\]"):
+        llm.generate(["Pick one:"], bad, use_tqdm=False)
+    astral = SamplingParams(max_tokens=4, structured_outputs={"choice": ["\U0008d5d2"]})
+    with pytest.raises(ValueError, match=r"^structured_outputs\.choice\[0\] holds byte\(s\) \['0xf2'\]"):
+        llm.generate(["Pick one:"], astral, use_tqdm=False)
+    good = SamplingParams(max_tokens=8, temperature=0, structured_outputs={"choice": ["fine", "ok"]})
+    assert llm.generate(["Pick one:"], good, use_tqdm=False)[0].text in ("fine", "ok")

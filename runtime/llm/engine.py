@@ -337,6 +337,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             # Compiled here, on the caller's thread: a schema the grammar engine refuses is the
             # caller's ValueError, and the engine's thread never waits on a compile.
+            self._check_spellable(params.structured_outputs)
             grammar = self.grammar_compiler().compile(params.structured_outputs).matcher()
             if n:
                 self._replay_grammar(grammar, ids[-n:])
@@ -592,6 +593,23 @@ class LLMEngine:
             if t.req.request_id in tracked:
                 t.sink(self._output(t, None))
         return finished
+
+    def _check_spellable(self, spec: dict) -> None:
+        """Refuse a choice the model cannot write: a byte-level vocabulary may lack tokens for
+        some bytes (SmolLM2 has none for 21 of them, e.g. 0x01), and a choice holding one forces
+        bytes no token gives, so the grammar fails mid-generation (found by the fuzz test). A
+        JSON schema or regex may hit the same wall; that is then the abort at the token."""
+        bound = self._prompt_bound
+        if bound is None or "choice" not in spec or not isinstance(spec["choice"], list):
+            return
+        for i, choice in enumerate(spec["choice"]):
+            data = choice.encode("utf-8", "surrogatepass") if isinstance(choice, str) else b""
+            missing = sorted({b[0] for b in bound.dropped if b in data})
+            if missing:
+                raise ValueError(
+                    f"structured_outputs.choice[{i}] holds byte(s) {[hex(b) for b in missing]} that this model's "
+                    "tokenizer has no token for, so the model cannot write it"
+                )
 
     def _advance_grammar(self, t: _Tracked, tokens: list[int], finished: dict[str, str]) -> bool:
         """Feed the step's tokens to the request's matcher. A terminated grammar finishes the
