@@ -20,15 +20,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/tandem demo
 
-# The worker tests start their own redis-server, an apt package: pip cannot put it in .venv.
+# The worker tests start their own redis-server, and the camera page's test drives a real
+# headless Chromium through its matching chromedriver: apt packages pip cannot put in .venv.
+APT_NEEDS := $(if $(shell command -v redis-server),,redis-server) \
+	$(if $(shell command -v chromium),,chromium) $(if $(shell command -v chromedriver),,chromium-driver)
 test: $(STAMP)
-	@command -v redis-server >/dev/null || { \
-	  echo "make test: the worker tests start their own redis-server, and none is on PATH; installing Debian's redis-server"; \
+	@need="$(strip $(APT_NEEDS))"; [ -z "$$need" ] || { \
+	  echo "make test: the tests need Debian's $$need, not on PATH; installing"; \
 	  if [ "$$(id -u)" != 0 ]; then \
-	    echo "make test: not root, so cannot apt-get: run 'sudo apt-get install redis-server', then make test again" >&2; \
+	    echo "make test: not root, so cannot apt-get: run 'sudo apt-get install $$need', then make test again" >&2; \
 	    exit 1; \
 	  fi; \
-	  apt-get update -qq && apt-get install -y -qq redis-server; \
+	  apt-get update -qq && apt-get install -y -qq $$need; \
 	}
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q
 

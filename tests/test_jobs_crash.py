@@ -1,5 +1,5 @@
 """Exactly once in effect, with the real SmolLM2 and the default lease: two LLM workers share
-20 jobs; one is SIGKILLed mid-batch; every job completes once, on time, with the tokens the
+12 jobs; one is SIGKILLed mid-batch; every job completes once, on time, with the tokens the
 in-process engine makes, and its stream reads cleanly (a `restarted` event at the seam)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from workers.client import JobClient
 from workers.settings import JobSettings
 
 pytestmark = pytest.mark.slow
-NUM_JOBS = 20
-MAX_TOKENS = 40
+NUM_JOBS = 12
+MAX_TOKENS = 32
 TOPICS = ["the sea", "bread", "a lighthouse", "winter", "copper", "bees", "a violin", "the moon", "rain", "chess"]
 PROMPTS = [f"Write a few sentences about {TOPICS[i % 10]}{'!' if i >= 10 else '.'}" for i in range(NUM_JOBS)]
 
