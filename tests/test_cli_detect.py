@@ -198,3 +198,147 @@ def test_start_up_profile_is_cached_per_model_and_input_size(capsys, monkeypatch
     first = detect(160)
     assert detect(160) == first and measured == [(160, (1, 2))]  # the second run reused the profile
     assert detect(128)[0] == 0 and measured == [(160, (1, 2)), (128, (1, 2))]  # a new input size: measured
+
+
+@pytest.mark.parametrize("cuda, expected", [(True, "cuda"), (False, "cpu")])
+def test_device_defaults_to_cuda_where_torch_sees_one_as_the_llm_does(capsys, monkeypatch, images, cuda, expected):
+    import torch
+
+    from runtime.vision import engine as engine_module
+
+    seen = []
+
+    def spy(config, *args, **kwargs):
+        seen.append(config.device)
+        raise ValueError("stop here: the device was chosen")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(cuda))
+    monkeypatch.setattr(engine_module, "VisionEngine", spy)
+    code, _, err = _run(capsys, str(images / "bus.jpg"))
+    assert code == 2 and "stop here" in err and seen == [expected]
+
+
+# ---- --save: annotated videos ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("vid_stride, fps", [(1, 10.0), (2, 5.0)])
+def test_annotated_video_plays_at_the_source_fps(capsys, tmp_path, vid_stride, fps):
+    clip = _clip(tmp_path / "clip.mp4", 6, 10)
+    save = tmp_path / "out"
+    code, lines, _ = _run(capsys, str(clip), "--save", str(save), "--vid-stride", str(vid_stride))
+    assert code == 0 and len(lines) == 6 // vid_stride
+    cap = cv2.VideoCapture(str(save / "clip.mp4"))
+    try:
+        written_fps, num_frames = cap.get(cv2.CAP_PROP_FPS), int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
+    finally:
+        cap.release()
+    assert (written_fps, num_frames) == (fps, 6 // vid_stride)
+
+
+# ---- --classes and --nms on the shipped detector ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    """Generated shapes images (runtime/vision/synthetic.py), which the shipped detector knows."""
+    from runtime.vision.synthetic import draw_image
+
+    out = tmp_path_factory.mktemp("shapes")
+    rng = np.random.default_rng(7)
+    for i in range(8):
+        cv2.imwrite(str(out / f"{i}.png"), draw_image(rng, 320)[0])
+    return out
+
+
+def _shipped(capsys, *argv):
+    """The shipped detector at its own size and the default conf (not FAST's)."""
+    parser = argparse.ArgumentParser()
+    add_detect_arguments(parser)
+    code = run_detect(parser.parse_args([*argv, "--no-profile", "--dtype", "float32"]))
+    out, _ = capsys.readouterr()
+    assert code == 0
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def _kept(lines, classes):
+    return [[(c, b) for c, b in zip(x["cls"], x["boxes"]) if c in classes] for x in lines]
+
+
+@pytest.mark.parametrize("head", [[], ["--nms"]], ids=["end2end", "nms"])
+def test_classes_keeps_only_those_classes_and_leaves_their_boxes_as_they_were(capsys, shapes, head):
+    every = _shipped(capsys, str(shapes), *head)
+    only = _shipped(capsys, str(shapes), *head, "--classes", "0,2")
+    assert {c for x in every for c in x["cls"]} == {0, 1, 2}  # the filter has something to drop
+    assert {c for x in only for c in x["cls"]} <= {0, 2}
+    assert _kept(only, {0, 2}) == _kept(every, {0, 2})
+
+
+@pytest.mark.parametrize("value", ["a,b", "0,-1", ""])
+def test_bad_classes_is_a_usage_error_naming_the_flag(capsys, value):
+    parser = argparse.ArgumentParser()
+    add_detect_arguments(parser)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["x.jpg", "--classes", value])
+    assert exc.value.code == 2 and "--classes" in capsys.readouterr().err
+
+
+def _duplicates(lines, iou):
+    """(image, box, box) triples of same-class boxes overlapping more than iou."""
+    from runtime.vision.evaluate import box_iou
+
+    found = []
+    for n, x in enumerate(lines):
+        boxes, cls = np.array(x["boxes"]).reshape(-1, 4), np.array(x["cls"])
+        overlap = np.triu(box_iou(boxes, boxes), 1) * (cls[:, None] == cls[None, :])
+        found += [(n, i, j) for i, j in zip(*np.nonzero(overlap > iou))]
+    return found
+
+
+def test_nms_flag_removes_the_end2end_heads_duplicate_boxes_and_honours_iou(capsys, shapes):
+    assert _duplicates(_shipped(capsys, str(shapes)), 0.7), "the end-to-end head's duplicates are gone: update --nms"
+    assert not _duplicates(_shipped(capsys, str(shapes), "--nms"), 0.7)
+    assert not _duplicates(_shipped(capsys, str(shapes), "--nms", "--iou", "0.3"), 0.3)
+
+
+# ---- --track ---------------------------------------------------------------------------
+
+
+def _moving_circles(path, n=20, fps=10):
+    """Two circles on a noisy background, one along the top going right, one along the
+    bottom going left; from frame n // 2 on a third one stands in the middle."""
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (320, 320))
+    for t in range(n):
+        img = np.clip(np.array([90, 110, 100]) + np.random.default_rng(t).normal(0, 18, (320, 320, 3)), 0, 255)
+        img = img.astype(np.uint8)
+        cv2.circle(img, (40 + 6 * t, 80), 24, (30, 30, 230), -1, cv2.LINE_AA)
+        cv2.circle(img, (280 - 6 * t, 240), 24, (230, 200, 30), -1, cv2.LINE_AA)
+        if t >= n // 2:
+            cv2.circle(img, (160, 160), 24, (40, 220, 40), -1, cv2.LINE_AA)
+        writer.write(img)
+    writer.release()
+    return path
+
+
+def test_track_gives_each_object_of_a_video_one_id_and_still_images_none(capsys, tmp_path):
+    clip = _moving_circles(tmp_path / "clip.mp4")
+    shutil.copy(ASSETS / "bus.jpg", tmp_path / "bus.jpg")
+    lines = _shipped(capsys, str(tmp_path), "--nms", "--track", "bytetrack")
+    still = [x for x in lines if x["source"].endswith("bus.jpg")]
+    video = [x for x in lines if x["source"] == str(clip)]
+    assert len(still) == 1 and still[0]["track_ids"] is None and len(video) == 20
+    rows = {"top": [], "middle": [], "bottom": []}  # per frame, the ids of that row's circle
+    for x in video:
+        assert len(x["track_ids"]) == len(x["boxes"])
+        seen = {}
+        for (_, y1, _, y2), track_id, conf in zip(x["boxes"], x["track_ids"], x["conf"]):
+            if conf > 0.5:  # the circles, not a weak stray box
+                cy = (y1 + y2) / 2
+                seen["top" if cy < 120 else "bottom" if cy > 200 else "middle"] = track_id
+        for row, ids in rows.items():
+            ids.append(seen.get(row, "missing"))
+    # First-frame ids go in the boxes' (confidence) order, so which circle is 1 is not fixed.
+    assert len(set(rows["top"])) == len(set(rows["bottom"])) == 1, rows
+    assert {rows["top"][0], rows["bottom"][0]} == {1, 2}, rows
+    # The tracker lives on between frames: a newcomer waits a frame for confirmation, then is 3.
+    assert rows["middle"] == ["missing"] * 10 + [None] + [3] * 9, rows

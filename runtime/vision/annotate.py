@@ -54,14 +54,30 @@ def numbered_dir(directory: str) -> str:
     return candidate
 
 
+def video_fps(path: str) -> float | None:
+    """The frame rate a video file's container declares, or None where it declares none
+    (OpenCV reports 0, or a NaN for some streams)."""
+    cap = cv2.VideoCapture(path)
+    try:
+        fps = cap.get(cv2.CAP_PROP_FPS) if cap.isOpened() else 0.0
+    finally:
+        cap.release()
+    return float(fps) if fps and fps == fps and 0 < fps < 1000 else None
+
+
 class AnnotatedWriter:
     """Images go to DIR/<name>; frames of a video or stream go to DIR/<name>.mp4, one writer
-    per source, opened on its first frame and closed by close()."""
+    per source, opened on its first frame and closed by close().
 
-    def __init__(self, directory: str, fps: float = 15.0) -> None:
+    A video's annotated copy plays at the source's speed: its fps is the file's own, divided by
+    `vid_stride` (every n-th frame was kept). Streams declare no rate we can read without a
+    second connection, so theirs is `fps`."""
+
+    def __init__(self, directory: str, fps: float = 15.0, vid_stride: int = 1) -> None:
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.fps = fps
+        self.vid_stride = vid_stride
         self._videos: dict[str, cv2.VideoWriter] = {}
         self._names: dict[tuple[str, int | None], str] = {}  # (source, stream) -> its file name
         self.written: list[str] = []
@@ -106,7 +122,9 @@ class AnnotatedWriter:
         writer = self._videos.get(path)
         if writer is None:
             h, w = image.shape[:2]
-            writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), self.fps, (w, h))
+            source_fps = video_fps(frame.source) if frame.stream is None else None
+            fps = source_fps / self.vid_stride if source_fps else self.fps
+            writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h))
             self._videos[path] = writer
             self.written.append(path)
         writer.write(image)

@@ -21,6 +21,10 @@ MAX_CPU_WORKERS = (
     8  # each holds a batch of activations: bounds memory on many-core hosts (workers then get more threads)
 )
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The forward's engine (runtime/vision/backends.py): torch is the exact Ultralytics parity path;
+# the others run Ultralytics' own ONNX / OpenVINO export of the same weights; "auto" lets the
+# start-up profile pick among those that hold mAP (see profiling.py).
+BACKENDS = ("auto", "torch", "onnxruntime", "openvino")
 
 
 # Where vision differs from the scheduler's defaults: a queued payload may be a decoded frame
@@ -75,6 +79,9 @@ class VisionConfig:
     # server, stream frames in the camera service, all with this value); decoded arrays over
     # it are refused too. 8192 x 8192 = 67.1 Mpx, 8x 4K: see sources.base.DEFAULT_MAX_IMAGE_PIXELS.
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    # Only these class ids are kept (Ultralytics' predict `classes`); None keeps every class.
+    classes: tuple[int, ...] | None = None
+    backend: str = "torch"
 
     def threads(self) -> tuple[int, int | None]:
         """(inference workers, torch threads per worker; None: torch's default)."""
@@ -110,6 +117,16 @@ class VisionConfig:
             )
         _check_int("profile_iters", self.profile_iters, 1)
         check_max_pixels(self.max_image_pixels)
+        if self.classes is not None:
+            if isinstance(self.classes, list):
+                self.classes = tuple(self.classes)
+            if not isinstance(self.classes, tuple) or not self.classes:
+                raise ValueError(f"classes must be a non-empty list of class ids (integers >= 0), got {self.classes!r}")
+            for c in self.classes:
+                if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+                    raise ValueError(f"classes must hold integers >= 0, got {c!r} in {self.classes!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
     def resolved_dtype(self) -> str:
         """The dtype "auto" stands for on this machine: bfloat16 on CPUs that compute it natively

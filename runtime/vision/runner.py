@@ -43,9 +43,10 @@ import torch
 from torch import nn
 
 from runtime.memory import DeviceMemoryManager
+from runtime.vision import backends
 from runtime.vision.config import VisionConfig
 from runtime.vision.jit import load_model_traced
-from runtime.vision.postprocess import Detections, detections, filter_end2end, nms, to_original
+from runtime.vision.postprocess import Detections, detections, head_rows, to_original
 from runtime.vision.preprocess import BatchBuffers, Letterbox, letterbox_into, plan_letterbox, to_tensor
 
 _HOST_POOL: ThreadPoolExecutor | None = None
@@ -91,6 +92,12 @@ class YoloRunner:
             torch.set_num_threads(self.config.num_threads)
         self.model = load_model_traced(self.config, module)
         self.names = self.model.names
+        # The forward's engine (runtime/vision/backends.py); "auto" runs torch until the
+        # start-up profile (profiling.py) picks one with use_backend.
+        self.backend = "torch"
+        self._forward = self.model.forward
+        if self.config.backend not in ("auto", "torch"):
+            self.use_backend(self.config.backend)
         cuda = self.model.device.type == "cuda"
         self._buffers = BatchBuffers(pin_memory=cuda)
         self._copy_stream = torch.cuda.Stream(self.model.device) if cuda else None
@@ -109,7 +116,23 @@ class YoloRunner:
 
     @property
     def description(self) -> str:
-        return self.model.description
+        if self.backend == "torch":
+            return self.model.description
+        return f"{self.model.description} [{self.backend}]"
+
+    def use_backend(self, name: str) -> None:
+        """Run the forward on `name` (one of backends.BACKENDS), exported from this runner's
+        weights (cached, see backends.py); the letterbox and the postprocess stay the same."""
+        if name not in backends.BACKENDS:
+            raise ValueError(f"backend must be one of {backends.BACKENDS}, got {name!r}")
+        if name == "torch":
+            self.backend, self._forward = name, self.model.forward
+            return
+        head = self.model.module.model[-1]
+        max_det = int(getattr(head, "max_det", self.config.max_det))
+        threads = self.config.num_threads or self.config.threads()[1]
+        forward = backends.load_forward(self.config, name, self.model.end2end, max_det, self.workers, threads)
+        self.backend, self._forward = name, forward
 
     # -- the two halves of a batch --
     def prepare(self, images: list[np.ndarray]) -> Prepared:
@@ -157,14 +180,16 @@ class YoloRunner:
         for _, tensor, _ in prepared.groups:
             tensor.record_stream(stream)
 
-    def infer(self, prepared: Prepared) -> list[Detections]:
+    def infer(self, prepared: Prepared, conf: float | None = None) -> list[Detections]:
+        """conf: the confidence threshold instead of config.conf (mAP checks predict at 0.001)."""
         c = self.config
+        conf = c.conf if conf is None else conf
         out: list[Detections | None] = [None] * prepared.size
         infer_ms = post_ms = 0.0
         self._await_inputs(prepared)
         for idx, tensor, boxes in prepared.groups:
             t0 = time.perf_counter()
-            raw = self.model.forward(tensor)
+            raw = self._forward(tensor)
             if raw.device.type == "cuda":
                 # The batch's one host wait, for this stream only (the copy stream may be busy
                 # with the next batch). An end-to-end head's output is small (B x k x 6): read it
@@ -174,7 +199,7 @@ class YoloRunner:
                 else:
                     torch.cuda.current_stream(raw.device).synchronize()
             t1 = time.perf_counter()
-            rows = filter_end2end(raw, c.conf, c.max_det) if self.model.end2end else nms(raw, c.conf, c.iou, c.max_det)
+            rows = head_rows(raw, self.model.end2end, conf, c)
             for i, r, box in zip(idx, rows, boxes):
                 out[i] = detections(to_original(r, box), self.names, box)
             infer_ms += (t1 - t0) * 1000
@@ -189,9 +214,9 @@ class YoloRunner:
             }
         return out  # type: ignore[return-value]
 
-    def predict(self, images: list[np.ndarray]) -> list[Detections]:
+    def predict(self, images: list[np.ndarray], conf: float | None = None) -> list[Detections]:
         """Detections for each image, in one forward pass per input shape."""
-        return self.infer(self.prepare(images)) if images else []
+        return self.infer(self.prepare(images), conf) if images else []
 
     def raw(self, images: list[np.ndarray]) -> list[torch.Tensor]:
         """The head's raw outputs per image (for parity checks against Ultralytics)."""
@@ -199,13 +224,13 @@ class YoloRunner:
         self._await_inputs(prepared)
         out: list[torch.Tensor | None] = [None] * len(images)
         for idx, tensor, _ in prepared.groups:
-            for i, r in zip(idx, self.model.forward(tensor)):
+            for i, r in zip(idx, self._forward(tensor)):
                 out[i] = r
         return out  # type: ignore[return-value]
 
     # -- start-up measurements --
     def profile(self, batch_sizes: list[int], iters: int | None = None) -> dict[int, float]:
-        """Images per second of the forward pass at each batch size (square imgsz input)."""
+        """Images per second of the current backend's forward at each batch size (square imgsz input)."""
         iters = iters or self.config.profile_iters
         s = self.config.imgsz
         rates = {}
@@ -213,12 +238,12 @@ class YoloRunner:
         for bs in batch_sizes:
             # On CUDA the input arrives in the model's dtype (prepare casts on the copy stream).
             x = torch.full((bs, 3, s, s), 114 / 255, device=self.model.device, dtype=self.model.dtype if cuda else None)
-            self.model.forward(x)  # warm-up: first calls pick kernels and allocate
+            self._forward(x)  # warm-up: first calls pick kernels and allocate
             if cuda:
                 torch.cuda.synchronize(x.device)  # the warm-up's kernels must not run into the timed ones
             t0 = time.perf_counter()
             for _ in range(iters):
-                self.model.forward(x)
+                self._forward(x)
             if x.device.type == "cuda":
                 torch.cuda.synchronize(x.device)
             rates[bs] = bs * iters / (time.perf_counter() - t0)
