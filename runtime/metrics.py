@@ -318,9 +318,16 @@ def families(payloads: list[dict]) -> Iterator[Any]:
     yield from _camera_families(payloads)
 
 
+# Bounds of the camera muxer's batch size histogram (cameras per group).
+MUX_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
 def _camera_families(payloads: list[dict]) -> Iterator[Any]:
     """Per camera: {"camera", "url", "up" (0/1), "fps", "frames", "drops", "detections",
-    "reconnects", "state"} as a camera service lists them under "cameras"."""
+    "reconnects", "state", "drops_by_reason", "carried_over", "latency_ms_p50",
+    "latency_ms_p99", "batch_size_mean"} as a camera service lists them under "cameras"; per
+    service, its muxer under "batching" ({"window_ms", "batch_sizes": {size: groups},
+    "closed": {"complete"|"timeout": groups}})."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     labels = ["tandem_instance", "camera"]
@@ -341,15 +348,82 @@ def _camera_families(payloads: list[dict]) -> Iterator[Any]:
             PREFIX + "camera_reconnects", "Times the camera was reopened.", labels=labels
         ),
     }
+    counters["carried_over"] = CounterMetricFamily(
+        PREFIX + "camera_frames_carried_over",
+        "Frames the motion gate kept from the detector (their record repeats the last detections).",
+        labels=labels,
+    )
+    by_reason = CounterMetricFamily(
+        PREFIX + "camera_frames_dropped_by_reason",
+        "Frames read but never detected, by reason (replaced, rate_cap, queue_full, stale, runtime_refused, failed).",
+        labels=[*labels, "reason"],
+    )
+    latency = GaugeMetricFamily(
+        PREFIX + "camera_frame_latency_seconds",
+        "Frame-to-result latency over the camera's recent frames, at a quantile (0.5, 0.99).",
+        labels=[*labels, "quantile"],
+    )
+    batch_mean = GaugeMetricFamily(
+        PREFIX + "camera_batch_size_mean", "Mean forward-pass batch size of the camera's recent frames.", labels=labels
+    )
     for instance, cam in cams:
         lv = [instance, str(cam.get("camera", ""))]
         up.add_metric([*lv, str(cam.get("state", ""))], float(bool(cam.get("up"))))
         fps.add_metric(lv, float(cam.get("fps") or 0.0))
         for name, fam in counters.items():
             fam.add_metric(lv, float(cam.get(name) or 0))
+        for reason, n in sorted((cam.get("drops_by_reason") or {}).items()):
+            by_reason.add_metric([*lv, str(reason)], float(n))
+        for q, name in (("0.5", "latency_ms_p50"), ("0.99", "latency_ms_p99")):
+            if cam.get(name) is not None:
+                latency.add_metric([*lv, q], float(cam[name]) / 1000.0)
+        if cam.get("batch_size_mean") is not None:
+            batch_mean.add_metric(lv, float(cam["batch_size_mean"]))
     yield up
     yield fps
     yield from counters.values()
+    yield by_reason
+    yield latency
+    yield batch_mean
+    yield from _mux_families(payloads)
+
+
+def _mux_families(payloads: list[dict]) -> Iterator[Any]:
+    """The camera muxer of each camera service: group sizes, its window, what closed groups."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    labels = ["tandem_instance"]
+    sizes = HistogramMetricFamily(
+        PREFIX + "camera_mux_batch_size", "Cameras' frames per group the muxer submitted together.", labels=labels
+    )
+    window = GaugeMetricFamily(
+        PREFIX + "camera_mux_window_seconds",
+        "How long a group waits for the live cameras still to come (batch_timeout_ms, or derived from their rates).",
+        labels=labels,
+    )
+    closed = CounterMetricFamily(
+        PREFIX + "camera_mux_batches_closed",
+        "Groups by what closed them: complete (every live camera in) or timeout (the window ran out).",
+        labels=[*labels, "how"],
+    )
+    for p in payloads:
+        mux = p.get("batching")
+        if not mux:
+            continue
+        lv = [str(p.get("instance", ""))]
+        counts = {int(k): int(v) for k, v in (mux.get("batch_sizes") or {}).items()}
+        cumulative, buckets = 0, []
+        for bound in (*MUX_BUCKETS, float("inf")):
+            cumulative = sum(v for k, v in counts.items() if k <= bound)
+            buckets.append((_le(bound), cumulative))
+        sizes.add_metric(lv, buckets, float(sum(k * v for k, v in counts.items())))
+        if mux.get("window_ms") is not None:
+            window.add_metric(lv, float(mux["window_ms"]) / 1000.0)
+        for how, n in sorted((mux.get("closed") or {}).items()):
+            closed.add_metric([*lv, str(how)], float(n))
+    yield sizes
+    yield window
+    yield closed
 
 
 def _le(bound: float) -> str:

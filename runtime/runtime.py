@@ -226,6 +226,24 @@ class Runtime:
             self._cond.notify_all()
         return _cancellable(inner)
 
+    def submit_detect_group(self, items: list, priority: int = 0, deadline_s: float | None = None) -> list:
+        """Queue images that belong together (a frame of each camera, workers/cameras.py) under
+        one hold of the lock the loop schedules under, so no batch is released between them:
+        they share a forward pass unless max_batch_size or a preferred batch size splits them.
+        Per item its Future, or the exception that refused it (QueueFullError, ValueError), so
+        one bad frame does not refuse the others; RuntimeClosedError when closed, as submit_detect."""
+        lane = self._require("vision")
+        outcomes: list = []
+        with self._cond:
+            self._check_open()
+            for item in items:
+                try:
+                    outcomes.append(_cancellable(lane.submit(item, priority, deadline_s, None)))
+                except (RuntimeError, ValueError) as exc:  # QueueFullError is a RuntimeError
+                    outcomes.append(exc)
+            self._cond.notify_all()
+        return outcomes
+
     @property
     def broken(self) -> str | None:
         """Why this Runtime serves no more requests (its loop hit an error it cannot survive, or

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.llm.sampling_params import SamplingParams
+from workers.http_errors import APIError  # the shape serve and streams share (protocol.APIError)
 
 MAX_N = 16  # choices per request: each is its own job, so n multiplies the load
 MAX_LOGPROBS = 20  # vLLM's cap (OpenAI's is 5 for completions, 20 for chat)
@@ -27,7 +28,6 @@ MAX_LOGPROBS = 20  # vLLM's cap (OpenAI's is 5 for completions, 20 for chat)
 # before anything tokenizes it (a 30 MB prompt took seconds of a worker's tokenizer to refuse).
 MAX_BYTES_PER_TOKEN = 256
 MAX_ECHO = 200  # characters of a client's input an error message repeats
-MAX_MESSAGE = 320  # characters of an error message at most (its own text plus what it repeats)
 _INT64 = 1 << 63
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
@@ -71,48 +71,6 @@ def clip(value: Any) -> str:
     """repr(value), cut to MAX_ECHO characters: an error message never repeats a whole input."""
     text = repr(value)
     return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + "..."
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type_: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        message, param = _text(message), None if param is None else _text(param)
-        if len(message) > MAX_MESSAGE:  # a check deeper down repeated its whole input (stop=[...] x 10,000)
-            message = message[:MAX_MESSAGE] + "... (cut)"
-        if param is not None and len(param) > 100:
-            param = param[:100]
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type_ or _TYPES.get(status, "server_error")
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
-
-
-def _text(s: str) -> str:
-    """`s` with any lone surrogate escaped: the answer is JSON in UTF-8, which cannot carry one."""
-    return s.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    408: "timeout",
-    413: "invalid_request_error",
-    503: "service_unavailable",
-    504: "timeout",
-}
 
 
 def param_of(message: str) -> str:

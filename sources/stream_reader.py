@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import cv2
@@ -72,6 +72,8 @@ class StreamHealth:
     reconnects: int
     last_error: str | None
     seconds_since_frame: float | None
+    drops_by_reason: dict[str, int] = field(default_factory=dict)  # frames_dropped, by why
+    frame_interval_s: float | None = None  # seconds between frames, a moving average
 
 
 class StreamReader:
@@ -84,6 +86,11 @@ class StreamReader:
     `cond` is shared by all readers of a source so a consumer can wait for any of them.
     The thread is a daemon because a blocking FFmpeg read cannot be interrupted; close()
     stops it at the next frame or timeout and never waits longer than `join_s`.
+
+    `name` is how messages call it ("camera door"); without one, "stream N", its position in
+    a `.streams` file. Drops are counted by reason: "queue_full" (a full FIFO pushed its oldest
+    out), "stale" (take() found it older than asked), and for a newest-only slot the consumer's
+    `drop_reason` ("replaced" unless it says why it left the frame waiting, e.g. "rate_cap").
     """
 
     def __init__(
@@ -94,8 +101,10 @@ class StreamReader:
         cond: threading.Condition,
         on_error: Callable[[Frame], None],
         dial: Callable[[str], Dialled] | None = None,
+        name: str | None = None,
     ) -> None:
         self.stream, self.url, self.config = stream, url, config
+        self.name = name or f"stream {stream}"
         # `dial` (a URL a remote caller gave): called at every (re)connect, it checks the URL
         # again (raising ValueError when refused) and answers what to connect to (Dialled).
         self.dial = dial
@@ -104,10 +113,13 @@ class StreamReader:
         self._frames: deque[Frame] = deque(maxlen=max(1, config.buffer))
         self.state = "connecting"
         self.frames_read = self.frames_dropped = self.reconnects = 0
+        self.drops: dict[str, int] = {}
+        self.drop_reason = "replaced"  # the consumer's word for why a slot's frame waits (cond held)
+        self.frame_interval: float | None = None
         self.last_error: str | None = None
         self.last_frame_at: float | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"stream-{stream}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"stream-{self.name.replace(' ', '-')}", daemon=True)
 
     def start(self) -> None:
         """Start reading; a second call, or one after close(), does nothing."""
@@ -115,8 +127,26 @@ class StreamReader:
             self._thread.start()
 
     # -- consumer side (call with cond held) --
-    def take(self) -> Frame | None:
+    def take(self, max_age_s: float | None = None, now: float | None = None) -> Frame | None:
+        """The oldest frame waiting; with `max_age_s`, frames older than that are dropped
+        first (counted "stale"), so a backlog never reaches the detector late."""
+        if max_age_s is not None:
+            self.drop_stale(max_age_s, time.monotonic() if now is None else now)
         return self._frames.popleft() if self._frames else None
+
+    def drop_stale(self, max_age_s: float, now: float) -> int:
+        """Drop the waiting frames older than `max_age_s`; how many went."""
+        n = 0
+        while self._frames and now - self._frames[0].timestamp > max_age_s:
+            self._frames.popleft()
+            n += 1
+        if n:
+            self._drop("stale", n)
+        return n
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.frames_dropped += n
+        self.drops[reason] = self.drops.get(reason, 0) + n
 
     def has_frame(self) -> bool:
         return bool(self._frames)
@@ -127,7 +157,16 @@ class StreamReader:
         if state == "live" and since is not None and since > self.config.stall_after_s:
             state = "stalled"
         return StreamHealth(
-            self.stream, self.url, state, self.frames_read, self.frames_dropped, self.reconnects, self.last_error, since
+            self.stream,
+            self.url,
+            state,
+            self.frames_read,
+            self.frames_dropped,
+            self.reconnects,
+            self.last_error,
+            since,
+            dict(self.drops),
+            self.frame_interval,
         )
 
     def close(self, join_s: float = 2.0) -> None:
@@ -159,10 +198,15 @@ class StreamReader:
         with self._cond:
             if self._stop.is_set():
                 return
-            if len(self._frames) == self._frames.maxlen:
-                self.frames_dropped += 1  # the deque drops the oldest on append
+            if len(self._frames) == self._frames.maxlen:  # the deque drops the oldest on append
+                self._drop("queue_full" if self.config.buffer else self.drop_reason)
             self._frames.append(frame)
             self.frames_read += 1
+            if self.last_frame_at is not None and self.state == "live":
+                # A moving average, so a consumer can tell when the next frame should come
+                # (the camera muxer waits only for cameras whose frame is due within its window).
+                dt = frame.timestamp - self.last_frame_at
+                self.frame_interval = dt if self.frame_interval is None else 0.8 * self.frame_interval + 0.2 * dt
             self.last_frame_at = frame.timestamp
             self.state = "live"
             self._cond.notify_all()
@@ -189,7 +233,7 @@ class StreamReader:
                 if self._stop.is_set():
                     return
                 failures += 1
-                self.last_error = f"stream {self.stream} ({self.url}): {type(exc).__name__}: {exc}"
+                self.last_error = f"{self.name} ({self.url}): {type(exc).__name__}: {exc}"
                 give_up = self.config.max_retries is not None and failures > self.config.max_retries
                 if failures == 1 or give_up:  # report going down once, not every retry
                     final = f"{self.last_error} (gave up after {failures - 1} retries)" if give_up else self.last_error
@@ -259,7 +303,7 @@ class StreamReader:
                 if time.monotonic() - opening >= 0.9 * c.open_timeout_s:
                     raise TimeoutError(f"cannot open {target!r}: no answer within {c.open_timeout_s:g} s (timed out)")
                 raise ConnectionError(f"cannot open {target!r}: refused (nothing listening, no such stream or not one)")
-            too_large = capture_size_error(cap, f"stream {target!r}", c.max_image_pixels)
+            too_large = capture_size_error(cap, self.name, c.max_image_pixels)
             if too_large:  # checked before the first frame is read
                 raise ImageTooLarge(too_large)
             fps = cap.get(cv2.CAP_PROP_FPS)
@@ -275,7 +319,7 @@ class StreamReader:
                     if live and time.monotonic() - asked >= 0.9 * c.read_timeout_s:
                         raise TimeoutError(f"no frame within {c.read_timeout_s:g} s: the read timed out (stalled)")
                     return
-                check_pixels(image.shape[1], image.shape[0], f"stream {target!r}", c.max_image_pixels)
+                check_pixels(image.shape[1], image.shape[0], self.name, c.max_image_pixels)
                 yield image
                 if period:
                     next_t += period

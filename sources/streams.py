@@ -9,19 +9,26 @@ results. Memory is bounded by streams x max(1, buffer) frames.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from sources.base import Frame, SourceError, is_stream_url
 from sources.stream_reader import TERMINAL, StreamConfig, StreamHealth, StreamReader
 
+_OPTION = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(\S*)")
 
-def parse_streams_file(path: str) -> list[str]:
-    """One source per line: a stream URL (rtsp, rtmp, http(s), tcp, udp), a webcam index or
-    a local video file (relative to the file's folder). Blank lines and # comments are skipped;
-    anything else is an error naming the line."""
+
+def parse_streams_lines(path: str) -> list[tuple[int, str, dict[str, str]]]:
+    """(line number, source, {key: value text}) per camera line of a `.streams` file, a line
+    being `SOURCE [key=value ...]`: a stream URL (rtsp, rtmp, http(s), tcp, udp), a webcam
+    index or a local video file (relative to the file's folder), then options separated by
+    spaces. A line that is an existing file as a whole is that file (names with spaces).
+    Blank lines and # comments are skipped; anything else is an error naming the line. The
+    keys are not checked here: each reader of the file knows which it takes."""
     try:
         with open(path, encoding="utf-8") as fh:
             lines = fh.read().splitlines()
@@ -30,27 +37,131 @@ def parse_streams_file(path: str) -> list[str]:
     except (OSError, UnicodeDecodeError) as exc:
         raise SourceError(f"cannot read streams file {path}: {exc}") from exc
     folder = os.path.dirname(os.path.abspath(path))
-    urls = []
+    out = []
     for lineno, raw in enumerate(lines, 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        if is_stream_url(line) or line.isdigit():
-            if "://" in line and not line.split("://", 1)[1].strip("/"):
-                raise SourceError(f"{path} line {lineno}: stream URL {line!r} has no host")
-            urls.append(line)
+        whole = line if os.path.isabs(line) else os.path.join(folder, line)
+        if os.path.isfile(whole):
+            out.append((lineno, whole, {}))
             continue
-        full = line if os.path.isabs(line) else os.path.join(folder, line)
+        head, *rest = line.split()
+        options: dict[str, str] = {}
+        for token in rest:
+            m = _OPTION.fullmatch(token)
+            if m is None:
+                raise SourceError(f"{path} line {lineno}: {token!r} is not an option key=value (URL [key=value ...])")
+            if m[1] in options:
+                raise SourceError(f"{path} line {lineno}: option {m[1]!r} is given twice")
+            options[m[1]] = m[2]
+        if is_stream_url(head) or head.isdigit():
+            if "://" in head and not head.split("://", 1)[1].strip("/"):
+                raise SourceError(f"{path} line {lineno}: stream URL {head!r} has no host")
+            out.append((lineno, head, options))
+            continue
+        full = head if os.path.isabs(head) else os.path.join(folder, head)
         if os.path.isfile(full):
-            urls.append(full)
+            out.append((lineno, full, options))
             continue
         raise SourceError(
-            f"{path} line {lineno}: {line!r} is neither a stream URL (rtsp://, rtmp://, http(s)://, tcp://, "
+            f"{path} line {lineno}: {head!r} is neither a stream URL (rtsp://, rtmp://, http(s)://, tcp://, "
             f"udp://), a webcam index nor an existing video file"
         )
-    if not urls:
+    if not out:
         raise SourceError(f"streams file {path} lists no streams (blank lines and # comments are skipped)")
-    return urls
+    return out
+
+
+_OPTION = re.compile(r"([a-z_]+)=(\S*)")
+_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+@dataclass(slots=True, frozen=True)
+class StreamLine:
+    """One camera line of a `.streams` file: `SOURCE [key=value ...]`. The options are left as
+    text; what each key means and takes is the reader's (`tandem streams`: workers/streams_file.py)."""
+
+    lineno: int
+    source: str  # a stream URL, a webcam index or a video file's full path
+    options: dict[str, str]
+
+
+def read_streams_lines(path: str) -> list[StreamLine]:
+    """The camera lines of a `.streams` file. A line is a source (a stream URL: rtsp, rtmp,
+    http(s), tcp, udp; a webcam index; or a local video file, relative to the file's folder)
+    followed by optional `key=value` words; blank lines and # comments are skipped. Anything
+    else is a SourceError naming the line. The words are taken from the right, so a file name
+    with spaces still works; a URL has no spaces, so its own '=' never counts as one."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except FileNotFoundError as exc:
+        raise SourceError(f"source not found: {path}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SourceError(f"cannot read streams file {path}: {exc}") from exc
+    folder = os.path.dirname(os.path.abspath(path))
+    out = []
+    for lineno, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        words = line.split()
+        options: dict[str, str] = {}
+        while len(words) > 1 and (m := _OPTION.fullmatch(words[-1])):
+            key, value = m.groups()
+            if key in options:
+                raise SourceError(f"{path} line {lineno}: {key}= given twice")
+            if not value:
+                raise SourceError(f"{path} line {lineno}: {key}= has no value")
+            options[key] = value
+            words.pop()
+        out.append(
+            StreamLine(lineno, _line_source(path, folder, lineno, " ".join(words)), dict(reversed(options.items())))
+        )
+    if not out:
+        raise SourceError(f"streams file {path} lists no streams (blank lines and # comments are skipped)")
+    return out
+
+
+def _line_source(path: str, folder: str, lineno: int, text: str) -> str:
+    if is_stream_url(text) or text.isdigit():
+        if "://" in text and not text.split("://", 1)[1].strip("/"):
+            raise SourceError(f"{path} line {lineno}: stream URL {text!r} has no host")
+        if any(c.isspace() for c in text):
+            raise SourceError(f"{path} line {lineno}: {text!r}: a URL has no spaces; options are key=value words")
+        return text
+    full = text if os.path.isabs(text) else os.path.join(folder, text)
+    if os.path.isfile(full):
+        return full
+    raise SourceError(
+        f"{path} line {lineno}: {text!r} is neither a stream URL (rtsp://, rtmp://, http(s)://, tcp://, "
+        f"udp://), a webcam index nor an existing video file"
+    )
+
+
+def parse_streams_file(path: str) -> list[str]:
+    """The sources of a `.streams` file (read_streams_lines), for `tandem detect`, which reads
+    each line's source and its `id=` (checked: 1-64 characters of [A-Za-z0-9._-], unique).
+    Every other option (max_fps=, policy=, tracker=, ...) belongs to `tandem streams`, and is
+    an error naming the line here rather than a setting silently not applied."""
+    entries = read_streams_lines(path)
+    seen: dict[str, int] = {}
+    for e in entries:
+        other = sorted(set(e.options) - {"id"})
+        if other:
+            raise SourceError(
+                f"{path} line {e.lineno}: {other[0]}= is a `tandem streams` option; `tandem detect` reads only "
+                f"the source and id= (remove it, or run tandem streams)"
+            )
+        camera_id = e.options.get("id")
+        if camera_id is not None:
+            if not _ID.fullmatch(camera_id):
+                raise SourceError(f"{path} line {e.lineno}: id must be 1-64 characters of [A-Za-z0-9._-]")
+            if camera_id in seen:
+                raise SourceError(f"{path} line {e.lineno}: id {camera_id} is taken by line {seen[camera_id]}")
+            seen[camera_id] = e.lineno
+    return [e.source for e in entries]
 
 
 class StreamsSource:

@@ -547,7 +547,7 @@ def test_tandem_streams_max_image_pixels_reaches_the_runtime_and_the_readers():
 
     parser = argparse.ArgumentParser()
     add_streams_arguments(parser)
-    base = ["http://127.0.0.1:9/cam", "--no-redis", "--jsonl", "-"]
+    base = ["http://127.0.0.1:9/cam", "--no-redis", "--jsonl", "-", "--no-auth"]
     _, vision, _ = _plan(parser.parse_args([*base, "--max-image-pixels", "5000"]))
     assert vision["max_image_pixels"] == 5000
     config = VisionConfig.from_dict(vision)  # what Runtime(vision=vision) builds

@@ -258,6 +258,11 @@ BAD_BODIES = [
 ]
 
 
+def error(resp) -> dict:
+    """The error of an HTTP answer, in serve's (OpenAI's) shape."""
+    return resp.json()["error"]
+
+
 def test_bad_input_over_http_is_refused_naming_the_field(r, make_service, cams):
     from fastapi.testclient import TestClient
 
@@ -266,21 +271,21 @@ def test_bad_input_over_http_is_refused_naming_the_field(r, make_service, cams):
     for body, field in BAD_BODIES:
         body = {k: cams["a"] if v == "CAM" else v for k, v in body.items()}
         resp = client.post("/cameras", json=body)
-        assert resp.status_code == 400 and resp.json()["field"] == field, (body, resp.text)
-        assert field in resp.json()["error"], resp.text
+        assert resp.status_code == 400 and error(resp)["param"] == field, (body, resp.text)
+        assert field in error(resp)["message"], resp.text
     for raw in (b"not json", b"[1, 2]", b"\xff"):
-        resp = client.post("/cameras", content=raw)
-        assert resp.status_code == 400 and resp.json()["field"] == "body", resp.text
+        resp = client.post("/cameras", content=raw, headers={"Content-Type": "application/json"})
+        assert resp.status_code == 400 and error(resp)["param"] == "body", resp.text
     assert client.get("/cameras").json() == {"cameras": []}  # nothing half-added
     resp = client.post("/cameras", json={"camera": "user", "url": "rtsp://admin:hunter2@10.0.0.7:1/x"})
     assert resp.status_code == 201 and "hunter2" not in resp.text and "admin:***@" in resp.text
     assert client.post("/cameras", json={"camera": "c", "url": cams["a"]}).status_code == 201
     dup = client.post("/cameras", json={"camera": "c", "url": cams["b"]})
-    assert dup.status_code == 409 and dup.json()["field"] == "camera" and "exists" in dup.json()["error"]
+    assert dup.status_code == 409 and error(dup)["param"] == "camera" and "exists" in error(dup)["message"]
     full = client.post("/cameras", json={"camera": "third", "url": cams["b"]})
-    assert full.status_code == 409 and "max_cameras" in full.json()["error"]
+    assert full.status_code == 409 and "max_cameras" in error(full)["message"]
     missing = client.delete("/cameras/nope")
-    assert missing.status_code == 404 and missing.json()["field"] == "camera" and "nope" in missing.json()["error"]
+    assert missing.status_code == 404 and error(missing)["param"] == "camera" and "nope" in error(missing)["message"]
 
 
 def test_remote_cameras_must_start_with_an_allowed_prefix_when_prefixes_are_set(r, make_service, cams):
@@ -289,7 +294,7 @@ def test_remote_cameras_must_start_with_an_allowed_prefix_when_prefixes_are_set(
     allowed = cams["a"].rsplit("/", 1)[0] + "/"
     client = TestClient(create_app(make_service(r, allowed_url_prefixes=(allowed,))))
     refused = client.post("/cameras", json={"camera": "elsewhere", "url": "rtsp://10.0.0.7/live"})
-    assert refused.status_code == 400 and refused.json()["field"] == "url" and "allowed prefix" in refused.text
+    assert refused.status_code == 400 and error(refused)["param"] == "url" and "allowed prefix" in refused.text
     assert client.post("/cameras", json={"camera": "ok", "url": cams["a"]}).status_code == 201
 
 
@@ -421,7 +426,7 @@ def test_cli_serves_a_streams_file_for_its_duration(r, redis_server, cams, tmp_p
     streams.write_text(f"# two live, one dead\n{cams['a']}\n{cams['b']}\n{cams['dead']}\n")
     out = tmp_path / "records.jsonl"
     args = f"{streams} --redis-url {redis_server.url} --port 0 --duration 5 --imgsz 160 --conf 0 --no-profile "
-    args += f"--max-fps 10 --jsonl {out} --instance cli-test"
+    args += f"--max-fps 10 --jsonl {out} --instance cli-test --no-auth"
     command = [sys.executable, "-m", "workers.cameras_http", *args.split()]
     log = tmp_path / "streams.log"  # a file, not a pipe nobody reads while waiting: no deadlock on a full pipe
     with open(log, "w") as err:
@@ -464,6 +469,7 @@ def test_cli_stops_cleanly_on_sigint(redis_server, r, cams, capsys):
     before = signal.getsignal(signal.SIGINT)
     threading.Thread(target=interrupt_when_serving, daemon=True).start()
     args = f"{cams['a']} --redis-url {redis_server.url} --port 0 --imgsz 160 --no-profile --jsonl - --instance sigint"
+    args += " --no-auth"
     code = main(args.split())
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -499,5 +505,5 @@ def test_cli_refuses_a_bad_source_or_unreachable_redis(tmp_path, capsys):
     assert main(["ftp://host/x"]) == 2 and "source must be" in capsys.readouterr().err
     from test_jobs_support import free_port
 
-    assert main(["rtsp://host/x", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"]) == 1
+    assert main(["rtsp://host/x", "--no-auth", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"]) == 1
     assert "cannot reach Redis" in capsys.readouterr().err

@@ -4,13 +4,20 @@
     curl -X POST localhost:8100/cameras -d '{"camera": "door", "url": "rtsp://10.0.0.7/live"}'
     curl -X DELETE localhost:8100/cameras/door
 
-One StreamReader per camera (sources/stream_reader.py: its own thread, newest frame only,
-reconnect with backoff, health). One dispatcher thread takes the newest frame of every camera
-that has one and is due under its rate cap, and submits them all to the Runtime's dynamic
-batcher, so the frames of many cameras share a forward pass. One publisher thread turns the
-results into records, off the vision workers' threads: an XADD per frame to the Redis Stream
-of its camera, and a JSON line if asked. A camera that is dead, stalled or gone shows up=0 in
-/metrics and keeps being retried; the others go on.
+One StreamReader per camera (sources/stream_reader.py: its own thread, reconnect with
+backoff, health), holding the newest frame only (policy "freshest") or a FIFO of `queue`
+frames ("every_frame"); frames older than `max_staleness_ms` are dropped before inference.
+One dispatcher thread muxes the cameras as DeepStream's stream muxer does: it takes a frame of
+every camera that has one and is due under its rate cap, and holds the group until it has one
+frame of every live camera or `batch_timeout_ms` since its first frame ran out, then submits
+it to the Runtime's dynamic batcher back to back, so the group shares one forward pass. A
+camera that is down, stalled, capped or slower than the window never holds a group. A
+camera's optional motion gate (runtime/vision/motion.py) keeps unchanged frames from the
+detector: their record carries the last detections over. One publisher thread turns results
+into records in each camera's frame order, off the vision workers' threads: track ids from
+the camera's tracker if it has one, an XADD per frame to the Redis Stream of its camera, and
+a JSON line if asked. A camera that is dead, stalled or gone shows up=0 in /metrics and keeps
+being retried; the others go on. Every dropped frame is counted with its reason (DROP_REASONS).
 
 Redis keys (`instance` names this process; camera ids are [A-Za-z0-9._-]{1,64}):
 
@@ -23,7 +30,12 @@ A record is `tandem detect`'s JSON line plus where and when the frame came from:
 
     {"camera": "door", "source": "rtsp://10.0.0.7/live", "frame": 41, "seq": 17,
      "boxes": [[x1, y1, x2, y2], ...], "conf": [...], "cls": [...], "names": [...], "error": null,
-     "captured_at": 1718000000.12, "finished_at": 1718000000.16, "latency_ms": 40.1, "batch_size": 3}
+     "captured_at": 1718000000.12, "finished_at": 1718000000.16, "latency_ms": 40.1, "batch_size": 3,
+     "group_size": 3, "carried_over": false, "track_ids": [4, 9, null] or null (no tracker)}
+
+`batch_size` is the forward pass's, `group_size` how many cameras' frames the muxer sent
+together; `carried_over` marks a frame the motion gate kept from the detector (its boxes are
+the last detected frame's).
 
 `frame` is the decoder's frame number since the camera's last (re)connect, `seq` counts the
 frames this service sent to the detector for the camera, the times are Unix seconds. A
@@ -33,6 +45,7 @@ URLs are masked in everything this service writes or serves.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -62,6 +75,22 @@ _MAX_URL = 2048
 FPS_WINDOW_S = 5.0  # the "fps" a camera row shows: frames detected over the last few seconds
 MAX_PENDING_RECORDS = 10_000  # records waiting for Redis (an outage): older ones are dropped
 REPLY_TTL_S = 60
+POLICIES = ("freshest", "every_frame")
+# Why a frame read never reached a record: a newer one took its newest-only slot while the
+# detector was busy; the rate cap kept it waiting until a newer one came; a full every_frame
+# FIFO pushed it out; older than max_staleness_ms; the Runtime refused it (queue full, closed);
+# the detector failed it.
+DROP_REASONS = ("replaced", "rate_cap", "queue_full", "stale", "runtime_refused", "failed")
+# The muxer's default window: one frame period of the fastest live camera, DeepStream's advice
+# for batched-push-timeout (1 / max fps): every camera at that rate has a frame inside it,
+# whatever its phase, where half a period would split cameras more than half a frame apart
+# into groups of one. At most MAX_WINDOW_S (a frame-to-result budget of ~250 ms leaves it
+# little more); DEFAULT_WINDOW_S before any camera has shown its rate.
+WINDOW_FRACTION = 1.0
+MAX_WINDOW_S = 0.04
+LATE_FRACTION = 1.5  # a camera whose next frame is this many periods past its last is not waited for
+DEFAULT_WINDOW_S = 0.02
+STATS_WINDOW = 512  # recent frames a camera's latency percentiles and batch size mean are over
 
 
 class CameraError(ValueError):
@@ -110,6 +139,52 @@ def check_max_fps(max_fps: object, name: str = "max_fps") -> float | None:
         message = f"{name} must be a number in (0, 1000] frames per second (unset: no cap), got {max_fps!r}"
         raise CameraError(name, message)
     return float(max_fps)
+
+
+def _number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+@dataclass(slots=True, frozen=True)
+class CameraOptions:
+    """A camera's options, the same names over add(), HTTP, the Redis control list and the
+    `.streams` file; check() raises CameraError naming the field."""
+
+    policy: str = "freshest"
+    queue: int = 30  # every_frame: the FIFO's bound (freshest keeps one frame)
+    max_staleness_ms: float | None = None  # None: frames are never too old
+    motion_threshold: float | None = None  # None: no motion gate
+    tracker: str | None = None  # None, "bytetrack" or "botsort"
+
+    def check(self) -> CameraOptions:
+        if self.policy not in POLICIES:
+            raise CameraError("policy", f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        q = self.queue
+        if isinstance(q, bool) or not isinstance(q, int) or not 1 <= q <= 1000:
+            raise CameraError("queue", f"queue must be an integer in [1, 1000] frames (every_frame's FIFO), got {q!r}")
+        age = self.max_staleness_ms
+        if age is not None and (not _number(age) or not 0 < age <= 3_600_000):
+            message = f"max_staleness_ms must be a number in (0, 3600000] ms (unset: no limit), got {age!r}"
+            raise CameraError("max_staleness_ms", message)
+        if self.motion_threshold is not None:
+            from runtime.vision.motion import check_threshold
+
+            try:
+                check_threshold(self.motion_threshold)
+            except ValueError as exc:
+                raise CameraError("motion_threshold", str(exc)) from None
+        if self.tracker is not None:
+            try:
+                from runtime.vision.tracking import TRACKERS
+            except ImportError as exc:  # Ultralytics' trackers need its extras (lap)
+                raise CameraError("tracker", f"tracker {self.tracker!r} is not available here: {exc}") from None
+            if self.tracker not in TRACKERS:
+                message = f"tracker must be one of {', '.join(TRACKERS)} (unset: none), got {self.tracker!r}"
+                raise CameraError("tracker", message)
+        return self
+
+
+OPTION_FIELDS = ("max_fps", "policy", "queue", "max_staleness_ms", "motion_threshold", "tracker")
 
 
 def check_stream_url(url: object) -> str:
@@ -173,6 +248,9 @@ class _Camera:
     period: float  # seconds between frames sent to the detector; 0: no cap
     reader: StreamReader
     added_at: float
+    options: CameraOptions = field(default_factory=CameraOptions)
+    gate: Any = None  # a MotionGate, or None
+    tracker: Any = None  # a Tracker (runtime/vision/tracking.py), or None; the publisher's
     next_due: float = 0.0
     in_flight: int = 0
     seq: int = 0
@@ -180,7 +258,15 @@ class _Camera:
     detections: int = 0
     failed: int = 0  # sent but the detector failed them
     lost: int = 0  # taken but refused by the Runtime (queue full, closed)
+    carried: int = 0  # kept from the detector by the motion gate
+    drops: dict = field(default_factory=dict)  # drops after the reader: reason -> frames
     done_at: deque = field(default_factory=lambda: deque(maxlen=4096))
+    latencies_ms: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    batch_sizes: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    # The publisher's: the last detections (carried over by the motion gate) and the newest
+    # published frame with its record (latest()).
+    last_det: Any = None
+    latest: tuple | None = None
     # Results wait here for the frames sent before them (two workers may finish out of order),
     # so each camera's stream is in frame order; None marks a frame the Runtime refused.
     settled: dict = field(default_factory=dict)
@@ -196,6 +282,13 @@ class _Camera:
             if item is not None:
                 ready.append(item)
         return ready
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + n
+
+    def due_by(self, t: float) -> bool:
+        """Will the rate cap let a frame go by `t`? (take_due's test, without taking)"""
+        return not self.period or t >= self.next_due
 
     def take_due(self, now: float) -> tuple[bool, float | None]:
         """(whether a frame may go now, else seconds until it may). Frames skipped meanwhile are
@@ -220,6 +313,45 @@ class _Camera:
         return len(self.done_at) / span if span > 0.05 else 0.0
 
 
+@dataclass(slots=True, eq=False)
+class _Result:
+    """One frame's outcome on its way to the publisher (or a camera going down: frame None)."""
+
+    cam: _Camera
+    frame: Frame | None
+    seq: int | None
+    det: Any = None
+    error: str | None = None
+    captured: float | None = None  # Unix seconds
+    finished: float = 0.0
+    carried: bool = False
+    group_size: int | None = None
+
+
+class _MuxStats:
+    """The muxer's groups: how many of each size, and what closed them (cond held)."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, int] = {}
+        self.closed = {"complete": 0, "timeout": 0}
+        self.window_s = DEFAULT_WINDOW_S
+
+    def observe(self, size: int, complete: bool) -> None:
+        self.sizes[size] = self.sizes.get(size, 0) + 1
+        self.closed["complete" if complete else "timeout"] += 1
+
+    def to_dict(self) -> dict:
+        n = sum(self.sizes.values())
+        mean = sum(k * v for k, v in self.sizes.items()) / n if n else None
+        return {
+            "window_ms": round(self.window_s * 1000, 3),
+            "batches": n,
+            "batch_size_mean": None if mean is None else round(mean, 3),
+            "batch_sizes": {str(k): v for k, v in sorted(self.sizes.items())},
+            "closed": dict(self.closed),
+        }
+
+
 class CameraService:
     """Cameras added and removed at any time, detected on `runtime`, published per camera.
 
@@ -231,7 +363,9 @@ class CameraService:
     older ones in the reader's slot meanwhile, so a slow detector drops frames instead of
     queueing them. `stream_config` None: the defaults, with the Runtime's max_image_pixels
     (VisionConfig), so a camera whose frames are over it goes down naming the limit before a
-    frame is decoded. The Runtime stays the caller's: close() leaves it open.
+    frame is decoded. `batch_timeout_ms`: how long the muxer holds a group for the live
+    cameras still to come (None: derived from their rates, see WINDOW_FRACTION; 0: no holding).
+    The Runtime stays the caller's: close() leaves it open.
     """
 
     def __init__(
@@ -250,11 +384,17 @@ class CameraService:
         control: bool = True,
         allowed_url_prefixes: tuple[str, ...] = (),
         url_policy: UrlPolicy | None = None,
+        batch_timeout_ms: float | None = None,
     ) -> None:
         for name, value in (("maxlen", maxlen), ("max_in_flight", max_in_flight), ("max_cameras", max_cameras)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.max_fps = check_max_fps(max_fps)
+        if batch_timeout_ms is not None and (not _number(batch_timeout_ms) or not 0 <= batch_timeout_ms <= 1000):
+            raise ValueError(
+                f"batch_timeout_ms must be a number in [0, 1000] (None: derived), got {batch_timeout_ms!r}"
+            )
+        self.batch_timeout_s = None if batch_timeout_ms is None else batch_timeout_ms / 1000.0
         interval = publish_interval_s
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
             raise ValueError(f"publish_interval_s must be a number > 0, got {publish_interval_s!r}")
@@ -279,9 +419,10 @@ class CameraService:
         self._num_streams = 0
         self._in_flight = 0
         self._closing = False
+        self.mux = _MuxStats()
         # Results on their way to Redis / JSON lines, appended by the vision workers' callbacks.
         self._out_cond = threading.Condition()
-        self._out: deque[tuple] = deque()
+        self._out: deque[_Result] = deque()
         self._out_closing = False
         self.counts = {"records": 0, "records_lost": 0, "publish_errors": 0}
         self._stop_control = threading.Event()
@@ -297,10 +438,29 @@ class CameraService:
 
     # ---- cameras (any thread) ---------------------------------------------------------------
 
-    def add(self, camera_id: str, url: str, max_fps: float | None = None, *, allow_local: bool = False) -> dict:
+    def add(
+        self,
+        camera_id: str,
+        url: str,
+        max_fps: float | None = None,
+        *,
+        allow_local: bool = False,
+        policy: str = "freshest",
+        queue: int = 30,
+        max_staleness_ms: float | None = None,
+        motion_threshold: float | None = None,
+        tracker: str | None = None,
+    ) -> dict:
         """Start reading a camera; its row. Only network stream URLs unless `allow_local` (a
-        `.streams` file's local videos and webcams). CameraError names the bad field."""
+        `.streams` file's local videos and webcams). CameraError names the bad field.
+
+        `policy` "freshest" keeps the newest frame only (a live view: late frames are worth
+        nothing), "every_frame" a FIFO of `queue` frames (recorded files, counting); frames
+        older than `max_staleness_ms` are dropped before inference either way.
+        `motion_threshold` (a fraction in (0, 1]) gates the detector on motion; `tracker`
+        ("bytetrack", "botsort") adds track ids to the records."""
         check_camera_id(camera_id)
+        options = CameraOptions(policy, queue, max_staleness_ms, motion_threshold, tracker).check()
         if allow_local:
             if not isinstance(url, str) or not url.strip():
                 raise CameraError("url", f"url must be a non-empty string, got {url!r}")
@@ -321,14 +481,30 @@ class CameraService:
             if len(self._cameras) >= self.max_cameras:
                 raise CameraConflict("camera", f"this service has {self.max_cameras} cameras, its max_cameras")
             self._num_streams += 1
-            cam = _Camera(camera_id, url, redact(url), 1.0 / cap if cap else 0.0, None, time.monotonic())
+            cam = _Camera(camera_id, url, redact(url), 1.0 / cap if cap else 0.0, None, time.monotonic(), options)
+            if motion_threshold is not None:
+                from runtime.vision.motion import MotionGate
+
+                cam.gate = MotionGate(motion_threshold)
+            if tracker is not None:
+                from runtime.vision.tracking import make_tracker
+
+                try:
+                    cam.tracker = make_tracker(tracker, frame_rate=cap or 30.0)
+                except ValueError as exc:
+                    raise CameraError("tracker", str(exc)) from None
             down = partial(self._camera_down, cam)
             dial = None if allow_local else partial(_dial, self.url_policy)  # a .streams file is the operator's
-            cam.reader = StreamReader(self._num_streams, url, self.stream_config, self._cond, down, dial)
+            buffer = options.queue if options.policy == "every_frame" else 0
+            config = dataclasses.replace(self.stream_config, buffer=buffer)
+            name = f"camera {camera_id}"
+            cam.reader = StreamReader(self._num_streams, url, config, self._cond, down, dial, name=name)
             self._cameras[camera_id] = cam
             cam.reader.start()
             row = self._row(cam, time.monotonic())
-        log.info("camera %s added: %s (max_fps %s)", camera_id, cam.public_url, cap or "none")
+        log.info(
+            "camera %s added: %s (max_fps %s, policy %s)", camera_id, cam.public_url, cap or "none", options.policy
+        )
         return row
 
     def remove(self, camera_id: str) -> dict:
@@ -349,16 +525,39 @@ class CameraService:
         with self._cond:
             return [self._row(c, now) for c in self._cameras.values()]
 
+    def latest(self, camera_id: str) -> tuple[Any, dict] | None:
+        """The newest published frame of a camera (BGR) and its record, for the views; None
+        before its first record, or if no camera has this id. A carried-over frame counts:
+        the motion gate found it unchanged, so its record's boxes hold for it."""
+        with self._cond:
+            cam = self._cameras.get(camera_id) if isinstance(camera_id, str) else None
+            return None if cam is None else cam.latest
+
     def payload(self) -> dict:
-        """This service's /metrics payload: its cameras and its Runtime's serving metrics."""
+        """This service's /metrics payload: its cameras, the muxer's batches, and its Runtime's
+        serving metrics."""
         with self._out_cond:
             counts = dict(self.counts)
         metrics = self.runtime.metrics_snapshot()
-        return {"kind": "cameras", "cameras": self.cameras(), "service": counts, "metrics": metrics}
+        with self._cond:
+            batching = self.mux.to_dict()
+        return {
+            "kind": "cameras",
+            "cameras": self.cameras(),
+            "service": counts,
+            "batching": batching,
+            "metrics": metrics,
+        }
 
     def _row(self, cam: _Camera, now: float) -> dict:
         h = cam.reader.health(now)
         since = h.seconds_since_frame
+        drops = dict(h.drops_by_reason)
+        for reason, n in cam.drops.items():
+            drops[reason] = drops.get(reason, 0) + n
+        latencies = sorted(cam.latencies_ms)
+        sizes = cam.batch_sizes
+        o = cam.options
         return {
             "camera": cam.camera_id,
             "url": cam.public_url,
@@ -366,7 +565,8 @@ class CameraService:
             "state": h.state,
             "fps": round(cam.fps(now), 2),
             "frames": cam.frames,
-            "drops": h.frames_dropped + cam.lost + cam.failed,
+            "drops": sum(drops.values()),
+            "drops_by_reason": drops,
             "detections": cam.detections,
             "reconnects": h.reconnects,
             "max_fps": round(1.0 / cam.period, 3) if cam.period else None,
@@ -374,6 +574,15 @@ class CameraService:
             "in_flight": cam.in_flight,
             "last_error": redact(h.last_error),
             "seconds_since_frame": None if since is None else round(since, 3),
+            "policy": o.policy,
+            "queue": o.queue if o.policy == "every_frame" else None,
+            "max_staleness_ms": o.max_staleness_ms,
+            "motion_threshold": o.motion_threshold,
+            "tracker": o.tracker,
+            "carried_over": cam.carried,
+            "latency_ms_p50": _percentile(latencies, 0.5),
+            "latency_ms_p99": _percentile(latencies, 0.99),
+            "batch_size_mean": round(sum(sizes) / len(sizes), 3) if sizes else None,
         }
 
     def close(self, timeout: float = 10.0) -> None:
@@ -426,54 +635,149 @@ class CameraService:
 
     # ---- dispatcher thread ------------------------------------------------------------------
 
-    def _due_frames(self) -> list[tuple[_Camera, Frame, int]] | None:
-        """The newest frame of every camera that has one, is due and has room in flight; waits
-        until there is one. None once closing. (cond held)"""
+    def _window(self, now: float) -> float:
+        """How long a group waits for the live cameras still to come (cond held)."""
+        if self.batch_timeout_s is not None:
+            return self.batch_timeout_s
+        periods = []
+        for cam in self._cameras.values():
+            r = cam.reader
+            if r.state == "live" and r.frame_interval:
+                periods.append(max(cam.period, r.frame_interval))
+        return min(MAX_WINDOW_S, WINDOW_FRACTION * min(periods)) if periods else DEFAULT_WINDOW_S
+
+    def _expected(self, cam: _Camera, now: float, close_at: float) -> bool:
+        """Should an open group wait for this camera's next frame? Only a live camera (not
+        down, not stalled) with room in flight, whose rate cap lets a frame go and whose next
+        frame should arrive before the window closes: a dead or slow camera never holds one.
+        (cond held)"""
+        r = cam.reader
+        if cam.in_flight >= self.max_in_flight or r.state != "live" or r.last_frame_at is None:
+            return False
+        if now - r.last_frame_at > r.config.stall_after_s or not r.frame_interval:
+            return False
+        # A camera already half a frame late has likely stopped: waiting for it until it shows
+        # "stalled" (stall_after_s, seconds) would hold every group for its whole window.
+        if now - r.last_frame_at > LATE_FRACTION * r.frame_interval:
+            return False
+        return cam.due_by(close_at) and r.last_frame_at + r.frame_interval <= close_at
+
+    def _next_group(self) -> tuple[list[tuple[_Camera, Frame, int]], bool] | None:
+        """A group of frames, at most one per camera, to submit together, and whether it is
+        complete (every live camera in it); waits until one is due. None once closing.
+
+        Frames are taken as their cameras allow (a frame, room in flight, due under the rate
+        cap, fresh enough); the group closes when no camera it waits for is left (see
+        _expected) or `_window()` after its first frame. A frame the motion gate stops is
+        settled at once as carried over and serves its camera for this group. (cond held)"""
+        picks: list[tuple[_Camera, Frame, int]] = []
+        served: set[str] = set()
+        opened = None
         while not self._closing:
-            now, wait, picks = time.monotonic(), None, []
+            now, wait = time.monotonic(), None
             for cam in self._cameras.values():
-                if cam.in_flight >= self.max_in_flight or not cam.reader.has_frame():
+                r = cam.reader
+                if cam.camera_id in served:
+                    continue
+                if cam.in_flight >= self.max_in_flight:
+                    r.drop_reason = "replaced"  # the detector is behind: a newer frame replaces it
+                    continue
+                if cam.options.max_staleness_ms is not None:
+                    r.drop_stale(cam.options.max_staleness_ms / 1000.0, now)
+                if not r.has_frame():
                     continue
                 due, after = cam.take_due(now)
                 if not due:
+                    r.drop_reason = "rate_cap"
                     wait = after if wait is None else min(wait, after)
                     continue
-                cam.in_flight += 1
+                r.drop_reason = "replaced"
+                frame = r.take()
                 cam.seq += 1
-                picks.append((cam, cam.reader.take(), cam.seq))
+                served.add(cam.camera_id)
+                if cam.gate is not None and not cam.gate.changed(frame.image):
+                    self._carry(cam, frame, cam.seq)
+                    continue
+                cam.in_flight += 1
+                picks.append((cam, frame, cam.seq))
+                opened = now if opened is None else opened
             if picks:
-                self._in_flight += len(picks)
-                return picks
+                self.mux.window_s = window = self._window(now)
+                close_at = opened + window
+                waiting = [
+                    c for c in self._cameras.values() if c.camera_id not in served and self._expected(c, now, close_at)
+                ]
+                if not waiting or now >= close_at:
+                    self._in_flight += len(picks)
+                    self.mux.observe(len(picks), not waiting)
+                    return picks, not waiting
+                wait = close_at - now if wait is None else min(wait, close_at - now)
+            elif served:  # only carried-over frames: a new round
+                served.clear()
+                continue
             self._cond.wait(wait)
+        for cam, _, _ in picks:  # closing: these are never sent
+            cam.in_flight -= 1
         return None
+
+    def _carry(self, cam: _Camera, frame: Frame, seq: int) -> None:
+        """A frame the motion gate found unchanged: its record re-publishes the last detections,
+        in its place in the camera's frame order. (cond held)"""
+        cam.carried += 1
+        now = time.monotonic()
+        cam.latencies_ms.append((now - frame.timestamp) * 1000)
+        finished = time.time()
+        captured = finished - (now - frame.timestamp)
+        self._queue_ready(cam.settle(seq, _Result(cam, frame, seq, None, None, captured, finished, carried=True)))
 
     def _dispatch(self) -> None:
         from schedulers import QueueFullError
 
         while True:
             with self._cond:
-                picks = self._due_frames()
-            if picks is None:
+                got = self._next_group()
+            if got is None:
                 return
-            for cam, frame, seq in picks:  # outside our lock: submit takes the Runtime's
-                try:
-                    future = self.runtime.submit_detect(frame, priority=0)
-                except (RuntimeError, ValueError) as exc:  # QueueFullError is a RuntimeError too
+            picks, _ = got
+            for (cam, frame, seq), outcome in zip(picks, self._submit([frame for _, frame, _ in picks])):
+                if isinstance(outcome, BaseException):
+                    exc = outcome
                     if not isinstance(exc, (QueueFullError, ValueError)) and self.failure is None:
-                        self.failure = f"the runtime refuses frames: {exc}"
+                        self.failure = f"the runtime refuses frames (camera {cam.camera_id} first): {exc}"
                         log.error("%s", self.failure)
                     with self._cond:
                         cam.in_flight -= 1
                         cam.lost += 1
+                        cam.drop("runtime_refused")
                         self._in_flight -= 1
-                        ready = cam.settle(seq, None)
+                        self._queue_ready(cam.settle(seq, None))
                         self._cond.notify_all()
-                    for item in ready:
-                        self._queue(item)
                     continue
-                future.add_done_callback(partial(self._detected, cam, frame, seq))
+                outcome.add_done_callback(partial(self._detected, cam, frame, seq, len(picks)))
 
-    def _detected(self, cam: _Camera, frame: Frame, seq: int, future) -> None:
+    def _submit(self, frames: list[Frame]) -> list:
+        """A group's frames to the Runtime, outside our lock (submit takes the Runtime's): per
+        frame its Future, or the exception that refused it.
+
+        A Runtime with submit_detect_group queues them under one hold of its lock, so the vision
+        batcher cannot release a batch between them. Otherwise back to back: the batcher releases
+        a batch when it is full, at a preferred size, or max_queue_delay_ms after its first
+        request, so the group joins one batch unless one of those falls inside the loop."""
+        group = getattr(self.runtime, "submit_detect_group", None)
+        if group is not None and len(frames) > 1:
+            try:
+                return list(group(frames, priority=0))
+            except (RuntimeError, ValueError) as exc:  # the whole group refused (closed)
+                return [exc] * len(frames)
+        outcomes: list = []
+        for frame in frames:
+            try:
+                outcomes.append(self.runtime.submit_detect(frame, priority=0))
+            except (RuntimeError, ValueError) as exc:  # QueueFullError is a RuntimeError too
+                outcomes.append(exc)
+        return outcomes
+
+    def _detected(self, cam: _Camera, frame: Frame, seq: int, group_size: int, future) -> None:
         """A frame's result (a vision worker's thread): count it, queue its record."""
         finished, now = time.time(), time.monotonic()
         captured = finished - (now - frame.timestamp)  # the reader stamps frames with time.monotonic()
@@ -488,22 +792,32 @@ class CameraService:
                 cam.frames += 1
                 cam.detections += len(det)
                 cam.done_at.append(now)
+                cam.latencies_ms.append((now - frame.timestamp) * 1000)
+                cam.batch_sizes.append(getattr(det, "batch_size", 1))
             else:
                 cam.failed += 1
-            ready = cam.settle(seq, (cam.camera_id, cam.public_url, frame.index, seq, det, error, captured, finished))
+                cam.drop("failed")
+            self._queue_ready(
+                cam.settle(seq, _Result(cam, frame, seq, det, error, captured, finished, False, group_size))
+            )
             self._cond.notify_all()
-        for item in ready:
-            self._queue(item)
 
     def _camera_down(self, cam: _Camera, frame: Frame) -> None:
         """A reader's report that its camera went down (its thread); it retries by itself."""
         error = redact(frame.error)
         log.warning("camera %s down, retrying with backoff: %s", cam.camera_id, error)
-        self._queue((cam.camera_id, cam.public_url, None, None, None, error, None, time.time()))
+        self._queue(_Result(cam, None, None, None, error, None, time.time()))
 
     # ---- publisher thread -------------------------------------------------------------------
 
-    def _queue(self, item: tuple) -> None:
+    def _queue_ready(self, ready: list[_Result]) -> None:
+        """Queue a camera's settled results, in its frame order: called with cond held, so two
+        workers settling the same camera cannot queue their parts the other way round (the
+        tracker and the Redis stream see frames in order)."""
+        for item in ready:
+            self._queue(item)
+
+    def _queue(self, item: _Result) -> None:
         with self._out_cond:
             if len(self._out) >= MAX_PENDING_RECORDS:
                 self._out.popleft()
@@ -524,12 +838,45 @@ class CameraService:
                 items = [self._out.popleft() for _ in range(min(len(self._out), 512))]
                 closing = self._out_closing and not self._out
             if items:
-                self._write([_record(*item) for item in items])
+                self._write([self._build(item) for item in items])
             if closing:
                 return
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.publish_interval_s
                 self._heartbeat()
+
+    def _build(self, item: _Result) -> dict:
+        """The record of one result, in its camera's frame order: carried-over frames take the
+        last detections, and the camera's tracker sees every published frame in turn."""
+        cam, det = item.cam, item.det
+        if item.carried:
+            det = cam.last_det
+        elif det is not None:
+            cam.last_det = det
+        track_ids = None
+        if cam.tracker is not None and det is not None and item.frame is not None:
+            try:
+                track_ids = list(cam.tracker.update(det, item.frame.image))
+            except Exception as exc:  # noqa: BLE001 - a tracker bug costs this camera its ids, not the service
+                log.warning("camera %s: tracker failed on frame %s: %s", cam.camera_id, item.frame.index, exc)
+        frame = item.frame
+        record = _record(
+            cam.camera_id,
+            cam.public_url,
+            None if frame is None else frame.index,
+            item.seq,
+            det,
+            item.error,
+            item.captured,
+            item.finished,
+        )
+        record["batch_size"] = None if det is None or item.carried else getattr(det, "batch_size", 1)
+        record["group_size"] = item.group_size
+        record["carried_over"] = item.carried
+        record["track_ids"] = track_ids  # None: no tracker (or nothing to track)
+        if frame is not None and det is not None:
+            cam.latest = (frame.image, record)  # one reference swap: latest() reads it whole
+        return record
 
     def _write(self, records: list[dict]) -> None:
         bodies = [json.dumps(r) for r in records]
@@ -582,7 +929,7 @@ class CameraService:
                 self.command(item[1])
 
     def command(self, raw: str | bytes) -> dict:
-        """Run one control command, JSON {"op": "add", "camera", "url", "max_fps"?} or {"op":
+        """Run one control command, JSON {"op": "add", "camera", "url", options?} or {"op":
         "remove", "camera"}, with an optional "id" ([A-Za-z0-9._-]{1,64}) under which the answer
         {"ok", "camera" row | "error", "field"} is pushed for the sender (kept REPLY_TTL_S)."""
         reply_id = None
@@ -612,10 +959,11 @@ class CameraService:
         return answer
 
     def apply(self, cmd: dict) -> dict:
-        """{"op": "add", "camera", "url", "max_fps"?} or {"op": "remove", "camera"}: the camera's
-        row. Shared by the Redis and HTTP control; remote urls must be stream URLs."""
+        """{"op": "add", "camera", "url", and optionally OPTION_FIELDS (see add())} or {"op":
+        "remove", "camera"}: the camera's row. Shared by the Redis and HTTP control; remote urls
+        must be stream URLs."""
         op = cmd.get("op")
-        allowed = {"add": {"op", "camera", "url", "max_fps"}, "remove": {"op", "camera"}}.get(op)
+        allowed = {"add": {"op", "camera", "url", *OPTION_FIELDS}, "remove": {"op", "camera"}}.get(op)
         if allowed is None:
             raise CameraError("op", f"op must be 'add' or 'remove', got {op!r}")
         unknown = sorted(set(cmd) - allowed)
@@ -623,12 +971,17 @@ class CameraService:
             names = ", ".join(map(repr, unknown))
             message = f"unknown field(s) {names} for op {op!r}; allowed: {', '.join(sorted(allowed))}"
             raise CameraError(unknown[0], message)
-        for name in sorted(allowed - {"max_fps"}):
+        for name in sorted(allowed - set(OPTION_FIELDS)):
             if name not in cmd:
                 raise CameraError(name, f"{name} is required for op {op!r}")
         if op == "add":
-            return self.add(cmd["camera"], cmd["url"], cmd.get("max_fps"))
+            options = {k: cmd[k] for k in OPTION_FIELDS[1:] if k in cmd}
+            return self.add(cmd["camera"], cmd["url"], cmd.get("max_fps"), **options)
         return self.remove(check_camera_id(cmd["camera"]))
+
+
+def _percentile(ordered: list[float], q: float) -> float | None:
+    return round(ordered[min(len(ordered) - 1, int(len(ordered) * q))], 3) if ordered else None
 
 
 def _record(
@@ -647,4 +1000,7 @@ def _record(
     out["finished_at"] = round(finished, 6)
     out["latency_ms"] = None if captured is None else round((finished - captured) * 1000, 3)
     out["batch_size"] = None if det is None else det.batch_size
+    out["group_size"] = None
+    out["carried_over"] = False
+    out["track_ids"] = None
     return out

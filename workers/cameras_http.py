@@ -4,18 +4,33 @@ control.
     tandem streams cams.streams --max-fps 5 --jsonl -        # Redis at $TANDEM_REDIS_URL
     python -m workers.cameras_http rtsp://10.0.0.7/live --port 0 --duration 60
 
-HTTP (default 127.0.0.1:8100; nothing here authenticates callers, so bind it where only
-trusted callers reach it):
+HTTP (default 127.0.0.1:8100). With --api-key (or $TANDEM_STREAMS_API_KEY) every endpoint but
+/health wants "Authorization: Bearer KEY"; the page takes the key once as /?key=KEY, which sets
+it as an HttpOnly, SameSite=Strict cookie the page's views and fetches then carry. Without a
+key it does not start, unless --no-auth on a loopback --host. A Host header naming anything but --host
+(and localhost, 127.0.0.1, [::1] on loopback, and --allowed-hosts) is refused with 421, and a
+body that is not Content-Type application/json with 415: so a web page the user opens can
+neither post to the service nor reach it through DNS rebinding.
 
+    GET    /                    the page: every camera's live view, health, fps, drops, latency
     GET    /cameras             {"cameras": [row, ...]}
-    POST   /cameras             {"camera": id, "url": stream URL, "max_fps": optional} -> 201 {"camera": row}
+    GET    /cameras/{id}/view   annotated MJPEG (multipart/x-mixed-replace) at most --view-fps
+    POST   /cameras             {"camera": id, "url": stream URL, "max_fps"?, "policy"?, "queue"?,
+                                 "max_staleness_ms"?, "motion_threshold"?, "tracker"?} -> 201 {"camera": row}
     DELETE /cameras/{id}        {"camera": row}
     GET    /metrics             Prometheus text: every camera's up/state, fps, frames, drops, ...
     GET    /health              {"status": "ok" | "failing", ...}; 503 once the Runtime refuses frames
 
-Errors are {"error": message, "field": name}: 400 bad input, 404 unknown camera, 409 an id in
-use or no room for another camera. Cameras added over HTTP (or the Redis control list) must be
-network stream URLs; the SOURCE may also list local videos and webcams.
+Errors are serve's (OpenAI's) shape {"error": {"message", "type", "param", "code"}}: 400 bad
+input, 401 no or a wrong key, 404 unknown camera, 409 an id in use or no room for another
+camera, 415 not JSON, 421 a Host this service is not. Cameras added over HTTP (or the Redis
+control list) must be network stream URLs on public addresses (private and loopback ones need
+--allow-private-urls or --allowed-url-networks); the SOURCE may also list local videos and
+webcams. A camera's last_error over HTTP is a class ("connection refused", "timed out", "not a
+video stream", ...), never what the target answered; the log has the full text.
+
+A .streams SOURCE is reloaded when it changes (checked every --reload-interval s) or at SIGHUP:
+cameras added, removed or changed without a restart (workers/streams_file.py has the syntax).
 
 Exit codes: 0 stopped (SIGINT, SIGTERM or --duration), 1 the service failed (Redis unreachable
 at start, the Runtime broke), 2 bad arguments or input.
@@ -39,23 +54,182 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MAX_BODY = 64 * 1024
 
 
-def create_app(service):
-    """The HTTP control of a workers.cameras.CameraService."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+KEY_COOKIE = "tandem_streams_key"
+_JSON_METHODS = ("POST", "PUT", "PATCH")
 
+
+def _error(status: int, message: str, param: str | None = None, type_: str | None = None, headers=None):
+    """serve's error shape (workers/http_errors.APIError): {"error": {"message", "type",
+    "param", "code"}}, so one client handles both services' errors."""
+    from fastapi.responses import JSONResponse
+
+    from workers.http_errors import APIError
+
+    types = {401: "authentication_error", 409: "conflict_error", 415: "invalid_request_error"}
+    err = APIError(status, message, param, type_ or types.get(status), headers)
+    return JSONResponse(err.body(), status_code=status, headers=err.headers)
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class Security:
+    """Who may drive the service: `api_keys` (none: no key, which run_streams allows on a
+    loopback host only) and the names it answers to in the Host header: the bound host, the
+    loopback names when bound to loopback, `allowed_hosts`, and the address a request came in
+    on (an IP literal is no DNS rebinding: that needs a name the attacker controls)."""
+
+    def __init__(self, api_keys=(), host: str = "127.0.0.1", allowed_hosts=()) -> None:
+        self.api_keys = tuple(k for k in api_keys if k)
+        names = {host.strip("[]").lower(), *(h.strip().strip("[]").lower() for h in allowed_hosts if h.strip())}
+        if is_loopback(host):
+            names.update(LOOPBACK_NAMES)
+        self.hosts = frozenset(names)
+
+    def host_ok(self, header: str | None, local_address: str | None) -> bool:
+        if not header:
+            return False
+        name = header.strip().lower()
+        if name.startswith("["):
+            name = name[1 : name.find("]")] if "]" in name else name
+        elif name.count(":") == 1:
+            name = name.split(":", 1)[0]
+        return name in self.hosts or (local_address is not None and name == local_address.lower())
+
+    def key_ok(self, request) -> bool:
+        import hmac
+
+        if not self.api_keys:
+            return True
+        auth = request.headers.get("authorization", "")
+        presented = auth[7:].strip() if auth[:7].lower() == "bearer " else request.cookies.get(KEY_COOKIE, "")
+        presented_b = presented.encode("utf-8", "replace")
+        # Every key compared, each in constant time: the timing says nothing of a guess.
+        return any([hmac.compare_digest(presented_b, k.encode()) for k in self.api_keys])
+
+
+def public_error(text: str | None) -> str | None:
+    """A camera's error as a class, never what the target answered: GET /cameras must not tell a
+    caller what answers on an internal address (an HTTP reason, a Content-Type, a banner read as
+    a status line). The full text goes to the log."""
+    if text is None:
+        return None
+    low = text.split("): ", 1)[-1].lower()  # past "camera ID (URL): ": the URL is the caller's own text
+    for needle, label in (
+        ("valueerror: url", "refused by the URL policy"),
+        ("timed out", "timed out"),
+        ("timeout", "timed out"),
+        ("connection refused", "connection refused"),
+        ("refused", "connection refused"),
+        ("too large", "frame too large"),
+        ("imagetoolarge", "frame too large"),
+        ("not multipart mjpeg", "not a video stream"),
+        ("not a video", "not a video stream"),
+        ("http 4", "HTTP client error (4xx)"),
+        ("http 5", "HTTP server error (5xx)"),
+        ("ended", "the stream ended"),
+        ("resolve", "name not resolved"),
+        ("name or service", "name not resolved"),
+    ):
+        if needle in low:
+            return label
+    return "not a video stream"
+
+
+def _public_row(row: dict) -> dict:
+    return {**row, "last_error": public_error(row.get("last_error"))}
+
+
+def create_app(service, security: Security | None = None, stop: threading.Event | None = None, view_fps=None):
+    """The HTTP control of a workers.cameras.CameraService, its views (workers/cameras_views.py)
+    and, with `security`, the API key and Host checks (run_streams always passes one; None is for
+    embedding behind another guard). JSON bodies need Content-Type application/json either way."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+
+    from workers import cameras_views as views
     from workers.cameras import CameraConflict, CameraError, CameraNotFound, json_object
 
     app = FastAPI(title="tandem streams", docs_url=None, redoc_url=None, openapi_url=None)
+    stop = stop or threading.Event()
+    viewers = views.Viewers()
+    fps = view_fps or views.DEFAULT_VIEW_FPS
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if security is not None:
+            local = request.scope.get("server")
+            if not security.host_ok(request.headers.get("host"), local[0] if local else None):
+                # Another name than this service's: a DNS-rebinding page, or a proxy's mistake.
+                return _error(
+                    421,
+                    "this service does not answer to that Host (see --allowed-hosts)",
+                    "host",
+                    "invalid_request_error",
+                )
+            path = request.url.path
+            login = path == "/" and "key" in request.query_params
+            if path != "/health" and not login and not security.key_ok(request):
+                return _error(
+                    401,
+                    "missing or invalid API key: send 'Authorization: Bearer <key>' (the page: open /?key=<key> once)",
+                    None,
+                    None,
+                    {"WWW-Authenticate": "Bearer"},
+                )
+        if request.method in _JSON_METHODS:
+            ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if ctype != "application/json":
+                # A browser page may send text/plain cross-origin without asking; JSON needs a preflight.
+                return _error(415, f"Content-Type must be application/json, got {ctype or 'none'!r}", "content-type")
+        return await call_next(request)
 
     @app.exception_handler(CameraError)
     async def camera_error(_request, exc: CameraError):
         status = 404 if isinstance(exc, CameraNotFound) else 409 if isinstance(exc, CameraConflict) else 400
-        return JSONResponse({"error": str(exc), "field": exc.field}, status_code=status)
+        return _error(status, str(exc), exc.field)
+
+    @app.exception_handler(RuntimeError)
+    async def closed(_request, exc: RuntimeError):
+        return _error(503, str(exc))
+
+    @app.get("/")
+    def index(request: Request):
+        key = request.query_params.get("key")
+        if key is not None and security is not None and security.api_keys:
+            if not security.key_ok(_KeyRequest(key)):
+                return _error(401, "invalid API key", "key", None, {"WWW-Authenticate": "Bearer"})
+            # The key moves to an HttpOnly cookie (the page's script cannot read it; SameSite=
+            # Strict: no other site's page sends it), and out of the address bar.
+            resp = RedirectResponse("./", status_code=303)
+            resp.set_cookie(KEY_COOKIE, key, httponly=True, samesite="strict", path="/")
+            return resp
+        return HTMLResponse(views.page(service.instance), headers={"Cache-Control": "no-store"})
 
     @app.get("/cameras")
     def list_cameras():
-        return {"cameras": service.cameras()}
+        return {"cameras": [_public_row(r) for r in service.cameras()]}
+
+    @app.get("/cameras/{camera_id}/view")
+    def view(camera_id: str):
+        if camera_id not in {c["camera"] for c in service.cameras()}:
+            raise CameraNotFound("camera", f"no camera {camera_id!r} (GET /cameras lists them)")
+        if not viewers.acquire():
+            return _error(429, f"{viewers.limit} views are open already", "camera", "rate_limit_error")
+        return StreamingResponse(
+            views.mjpeg(service, camera_id, fps, stop, viewers),
+            media_type=f"multipart/x-mixed-replace; boundary={views.BOUNDARY}",
+            headers={"Cache-Control": "no-store"},
+        )
 
     @app.post("/cameras", status_code=201)
     async def add_camera(request: Request):
@@ -65,11 +239,11 @@ def create_app(service):
         cmd = json_object(body, "body", 'the body must be a JSON object {"camera", "url", "max_fps"?}')
         if "op" in cmd:
             raise CameraError("op", "op is for the Redis control list; POST adds, DELETE removes")
-        return {"camera": service.apply({**cmd, "op": "add"})}
+        return {"camera": _public_row(service.apply({**cmd, "op": "add"}))}
 
     @app.delete("/cameras/{camera_id}")
     def remove_camera(camera_id: str):
-        return {"camera": service.remove(camera_id)}
+        return {"camera": _public_row(service.remove(camera_id))}
 
     @app.get("/metrics")
     def metrics():
@@ -81,6 +255,8 @@ def create_app(service):
 
     @app.get("/health")
     def health():
+        from fastapi.responses import JSONResponse
+
         cams = service.cameras()
         body = {
             "status": "failing" if service.failure else "ok",
@@ -92,6 +268,14 @@ def create_app(service):
         return JSONResponse(body, status_code=503 if service.failure else 200)
 
     return app
+
+
+class _KeyRequest:
+    """A key given as ?key= checked like a Bearer header."""
+
+    def __init__(self, key: str) -> None:
+        self.headers = {"authorization": f"Bearer {key}"}
+        self.cookies: dict = {}
 
 
 class ControlServer:
@@ -113,11 +297,13 @@ class ControlServer:
         self.url = f"http://{f'[{bound[0]}]' if family == socket.AF_INET6 else bound[0]}:{bound[1]}"
         self._server = None
         self._thread: threading.Thread | None = None
+        self.stop = threading.Event()  # ends the open views, so uvicorn's shutdown need not wait on them
 
     def start(self, app, timeout: float = 30.0) -> None:
         import uvicorn
 
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
         # Off the main thread uvicorn leaves the signals alone: run_streams handles them.
         run = lambda: self._server.run(sockets=[self.sock])  # noqa: E731
         self._thread = threading.Thread(target=run, name="tandem-cameras-http", daemon=True)
@@ -129,6 +315,7 @@ class ControlServer:
             time.sleep(0.01)
 
     def close(self) -> None:
+        self.stop.set()
         if self._server is not None:
             self._server.should_exit = True
             self._thread.join(10)
@@ -147,7 +334,32 @@ def add_streams_arguments(p: argparse.ArgumentParser) -> None:
         "--max-fps", type=float, default=None, help="frames per second detected per camera (default: no cap)"
     )
     p.add_argument("--jsonl", metavar="PATH", default=None, help="also append each record as a JSON line ('-': stdout)")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP control address")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP control address (not loopback: needs --api-key)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="KEY or KEY1,KEY2: every endpoint but /health wants 'Authorization: Bearer KEY' (the page: open "
+        "/?key=KEY once, which sets an HttpOnly cookie); default $TANDEM_STREAMS_API_KEY; none: loopback --host only",
+    )
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="run the control API and the page without a key: only with a loopback --host (any local "
+        "process, and any page the user's browser opens, can then reach them; the Host and JSON checks stay)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated names the service answers to in the Host header besides --host (and localhost, "
+        "127.0.0.1, [::1] on loopback), e.g. the name a proxy or browser uses",
+    )
+    p.add_argument("--view-fps", type=float, default=None, help="most frames a second of a camera's /view (default 10)")
+    p.add_argument(
+        "--reload-interval",
+        type=float,
+        default=1.0,
+        help="seconds between checks of the .streams file for changes (0: only at SIGHUP)",
+    )
     p.add_argument("--port", type=int, default=8100, help="HTTP control port (0: a free one, printed)")
     p.add_argument("--instance", default=None, help="this service's name in Redis and /metrics (default: host and pid)")
     p.add_argument("--max-cameras", type=int, default=64, help="most cameras at once")
@@ -182,18 +394,21 @@ def add_streams_arguments(p: argparse.ArgumentParser) -> None:
         help="letterbox size, a multiple of 32 (default: the shipped detector's 320, else 640)",
     )
     g.add_argument("--conf", type=float, default=0.25, help="confidence threshold")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
+    g.add_argument("--classes", default=None, help="comma-separated class ids to keep, e.g. 0,2 (default: every class)")
     g.add_argument("--max-batch-size", type=int, default=8, help="most frames (of any cameras) in one forward pass")
     g.add_argument("--no-profile", action="store_true", help="skip the start-up batch-size profiling")
     add_max_image_pixels_argument(g)
 
 
 def _source_urls(source: str) -> list[str]:
-    from sources import SourceError, parse_streams_file
+    from sources import SourceError
     from sources.base import is_stream_url
 
     if source.endswith(".streams"):
-        return parse_streams_file(source)
+        from workers.streams_file import parse
+
+        return [ln.url for ln in parse(source)]
     if is_stream_url(source) or source.isdigit() or os.path.isfile(source):
         return [source]
     raise SourceError(f"source must be a .streams file, a stream URL, a webcam index or a video file, got {source!r}")
@@ -216,6 +431,42 @@ def url_policy(args: argparse.Namespace, env=None):
         raise ValueError(message.replace("allowed_networks", "--allowed-url-networks", 1)) from None
 
 
+def api_keys(args: argparse.Namespace, env=None) -> tuple[str, ...]:
+    raw = (
+        args.api_key if args.api_key is not None else (os.environ if env is None else env).get("TANDEM_STREAMS_API_KEY")
+    )
+    return tuple(k.strip() for k in (raw or "").split(",") if k.strip())
+
+
+def security(args: argparse.Namespace, env=None) -> Security:
+    """The control's guard from the flags; ValueError naming --api-key when a non-loopback
+    host would be open to anyone who reaches it."""
+    keys = api_keys(args, env)
+    if keys and args.no_auth:
+        raise ValueError("--no-auth and --api-key (or $TANDEM_STREAMS_API_KEY) contradict: give one")
+    if not keys and not is_loopback(args.host):
+        raise ValueError(
+            f"--host {args.host} is reachable from other machines: give --api-key KEY (or "
+            "$TANDEM_STREAMS_API_KEY), or bind a loopback --host"
+        )
+    if not keys and not args.no_auth:
+        # Even on loopback every local process and web page reaches the port: no key only on request.
+        raise ValueError(
+            "the control API and the page need a key: give --api-key KEY (or $TANDEM_STREAMS_API_KEY), "
+            f"or --no-auth to run without one on this loopback --host {args.host}"
+        )
+    return Security(keys, args.host, tuple((args.allowed_hosts or "").split(",")))
+
+
+def _classes(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--classes must be comma-separated class ids (integers >= 0), got {text!r}") from None
+
+
 def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
     """(camera urls, Runtime vision config, Redis URL or None); ValueError names the flag."""
     from workers.cameras import check_instance, check_max_fps
@@ -235,6 +486,10 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
     if args.no_redis and args.jsonl is None:
         raise ValueError("--no-redis needs --jsonl: the detections must go somewhere")
     url_policy(args)  # a bad prefix or network is a usage error before anything loads
+    if args.view_fps is not None and not 0 < args.view_fps <= 60:
+        raise ValueError(f"--view-fps must be in (0, 60], got {args.view_fps}")
+    if not args.reload_interval >= 0:
+        raise ValueError(f"--reload-interval must be >= 0 seconds, got {args.reload_interval}")
     redis_url = None
     if not args.no_redis:
         redis_url = JobSettings.from_env(**({"redis_url": args.redis_url} if args.redis_url else {})).redis_url
@@ -247,13 +502,36 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
         "model": args.vision_model,
         "imgsz": args.imgsz or default_imgsz(args.vision_model),
         "conf": args.conf,
-        "device": args.device,
+        "device": _device(args.device),
         "batching": {"max_batch_size": args.max_batch_size},
         "profile": not args.no_profile,
     }
+    classes = _classes(args.classes)
+    if classes is not None:
+        vision["classes"] = classes
     vision.update(max_image_pixels_option(args))  # the Runtime's, which the camera service's readers take
-    VisionConfig.from_dict(vision)  # every field checked before anything loads
+    try:
+        VisionConfig.from_dict(vision)  # every field checked before anything loads
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError("--" + message if message.startswith(("classes", "device")) else message) from None
+    security(args)  # last: a bad flag above is named first, whatever the key
     return urls, vision, redis_url
+
+
+def _device(device: str | None) -> str:
+    """As the LLM's --device: cuda where there is one, else the CPU; a device this machine lacks
+    is an error naming the flag and what it has."""
+    from runtime.llm.cli import device_problem
+
+    if device is None:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    problem = device_problem("--device", device)
+    if problem:
+        raise ValueError(problem)
+    return device
 
 
 def run_streams(args: argparse.Namespace) -> int:
@@ -302,6 +580,7 @@ def _serve(args, urls: list[str], vision: dict, redis_client, server: ControlSer
 
     from runtime.runtime import Runtime
     from runtime.vision.cli import quiet_opencv
+    from sources import SourceError
     from workers.cameras import CameraService
 
     logging.basicConfig(level=logging.INFO, format="tandem streams: %(message)s", stream=sys.stderr)
@@ -311,11 +590,13 @@ def _serve(args, urls: list[str], vision: dict, redis_client, server: ControlSer
     except (OSError, ValueError) as exc:
         print(f"tandem streams: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    stop = threading.Event()
+    stop, hup = threading.Event(), threading.Event()
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
+        if hasattr(signal, "SIGHUP"):
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: hup.set())
     service = None
     try:
         service = CameraService(
@@ -328,23 +609,40 @@ def _serve(args, urls: list[str], vision: dict, redis_client, server: ControlSer
             max_cameras=args.max_cameras,
             url_policy=url_policy(args),
         )
-        for i, url in enumerate(urls):
-            service.add(f"cam{i}", url, allow_local=True)
-        server.start(create_app(service))
+        streams_file = None
+        if args.source.endswith(".streams"):
+            from workers.streams_file import StreamsFile
+
+            streams_file = StreamsFile(args.source, service, args.max_cameras)
+            streams_file.load()
+        else:
+            for i, url in enumerate(urls):
+                service.add(f"cam{i}", url, allow_local=True)
+        server.start(create_app(service, security(args), server.stop, args.view_fps))
         sink = "Redis streams tandem:cameras:<camera>" if redis_client is not None else "JSON lines"
         ready = f"tandem streams: ready, control {server.url}, {len(urls)} cameras, instance {service.instance}"
         ready += f", records to {sink}" + (" and JSON lines" if jsonl is not None and redis_client is not None else "")
+        ready += f", page {server.url}/" + ("?key=KEY" if api_keys(args) else "")
         print(ready, file=sys.stderr if jsonl is sys.stdout else sys.stdout, flush=True)
         deadline = None if args.duration is None else time.monotonic() + args.duration
+        next_poll = time.monotonic() + args.reload_interval
         while not stop.is_set() and service.failure is None:
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 break
+            if streams_file is not None:
+                if hup.is_set():
+                    hup.clear()
+                    streams_file.reload()
+                elif args.reload_interval and now >= next_poll:
+                    next_poll = now + args.reload_interval
+                    streams_file.poll()
             stop.wait(0.2 if deadline is None else min(0.2, max(0.0, deadline - time.monotonic())))
         code = EXIT_FAILED if service.failure else EXIT_OK
         if service.failure:
             print(f"tandem streams: error: {service.failure}", file=sys.stderr)
         return code
-    except ValueError as exc:  # a camera of the source refused (an id or url)
+    except (ValueError, SourceError) as exc:  # a camera of the source refused (an id, url or option)
         print(f"tandem streams: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     finally:
