@@ -482,6 +482,8 @@ def test_cli_stops_cleanly_on_sigint(redis_server, r, cams, capsys):
 BAD_ARGS = [
     (["--maxlen", "0"], "--maxlen"),
     (["--max-fps", "0"], "--max-fps"),
+    (["--batch-timeout-ms", "-1"], "--batch-timeout-ms"),
+    (["--classes", "a"], "--classes"),
     (["--port", "70000"], "--port"),
     (["--duration", "-1"], "--duration"),
     (["--imgsz", "100"], "imgsz"),

@@ -333,6 +333,13 @@ def add_streams_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-fps", type=float, default=None, help="frames per second detected per camera (default: no cap)"
     )
+    p.add_argument(
+        "--batch-timeout-ms",
+        type=float,
+        default=None,
+        help="how long a batch waits for a frame of every live camera after its first frame "
+        "(default: one frame period of the fastest camera, at most 40 ms)",
+    )
     p.add_argument("--jsonl", metavar="PATH", default=None, help="also append each record as a JSON line ('-': stdout)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP control address (not loopback: needs --api-key)")
     p.add_argument(
@@ -477,6 +484,8 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
     if args.max_cameras < 1:
         raise ValueError(f"--max-cameras must be >= 1, got {args.max_cameras}")
     check_max_fps(args.max_fps, "--max-fps")
+    if args.batch_timeout_ms is not None and not 0 <= args.batch_timeout_ms <= 1000:
+        raise ValueError(f"--batch-timeout-ms must be in [0, 1000] milliseconds, got {args.batch_timeout_ms}")
     if args.instance is not None:
         check_instance(args.instance, "--instance")
     if not 0 <= args.port <= 65535:
@@ -604,6 +613,7 @@ def _serve(args, urls: list[str], vision: dict, redis_client, server: ControlSer
             redis_client,
             maxlen=args.maxlen,
             max_fps=args.max_fps,
+            batch_timeout_ms=args.batch_timeout_ms,
             jsonl=jsonl,
             instance=args.instance,
             max_cameras=args.max_cameras,
