@@ -49,33 +49,45 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import socket
 import threading
 import time
-import urllib.parse
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 from typing import IO, Any
 
 from runtime.vision.records import detection_record
-from sources.base import Frame, is_stream_url
-from sources.stream_reader import Dialled, StreamConfig, StreamReader
-from workers.urlguard import CAMERA_SCHEMES, UrlPolicy, check_url
+from sources.base import Frame
+from sources.stream_reader import StreamConfig, StreamReader
+from workers.camera_checks import (  # noqa: F401 - re-exported: workers.cameras is where callers find them
+    CAMERA_ID,
+    OPTION_FIELDS,
+    POLICIES,
+    CameraConflict,
+    CameraError,
+    CameraNotFound,
+    CameraOptions,
+    camera_policy,
+    check_camera_id,
+    check_instance,
+    check_max_fps,
+    check_stream_url,
+    dial_camera,
+    is_number,
+    json_object,
+    redact,
+)
+from workers.urlguard import UrlPolicy, check_url
 
 log = logging.getLogger("tandem.cameras")
 
 STREAM_KEY = "tandem:cameras:"
 # Not under tandem:cameras:, where a camera named "control" would collide with it.
 CONTROL_KEY = "tandem:control:cameras:"
-_CAMERA_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
-_INSTANCE = re.compile(r"[A-Za-z0-9._:@-]{1,200}")
-_MAX_URL = 2048
 FPS_WINDOW_S = 5.0  # the "fps" a camera row shows: frames detected over the last few seconds
 MAX_PENDING_RECORDS = 10_000  # records waiting for Redis (an outage): older ones are dropped
 REPLY_TTL_S = 60
-POLICIES = ("freshest", "every_frame")
 # Why a frame read never reached a record: a newer one took its newest-only slot while the
 # detector was busy; the rate cap kept it waiting until a newer one came; a full every_frame
 # FIFO pushed it out; older than max_staleness_ms; the Runtime refused it (queue full, closed);
@@ -91,153 +103,6 @@ MAX_WINDOW_S = 0.04
 LATE_FRACTION = 1.5  # a camera whose next frame is this many periods past its last is not waited for
 DEFAULT_WINDOW_S = 0.02
 STATS_WINDOW = 512  # recent frames a camera's latency percentiles and batch size mean are over
-
-
-class CameraError(ValueError):
-    """Bad input for a camera; `field` names the field at fault."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-class CameraNotFound(CameraError):
-    pass
-
-
-class CameraConflict(CameraError):
-    """The id is taken, or the service has all the cameras it may have."""
-
-
-def json_object(raw: str | bytes, field: str, message: str) -> dict:
-    """`raw` parsed as a JSON object, else CameraError(field, message)."""
-    try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise CameraError(field, message) from None
-    if not isinstance(obj, dict):
-        raise CameraError(field, message)
-    return obj
-
-
-def check_camera_id(camera_id: object) -> str:
-    if not isinstance(camera_id, str) or not _CAMERA_ID.fullmatch(camera_id):
-        raise CameraError("camera", f"camera must be 1-64 characters of [A-Za-z0-9._-], got {camera_id!r}")
-    return camera_id
-
-
-def check_instance(instance: object, name: str = "instance") -> str:
-    if not isinstance(instance, str) or not _INSTANCE.fullmatch(instance):
-        raise ValueError(f"{name} must be 1-200 characters of [A-Za-z0-9._:@-], got {instance!r}")
-    return instance
-
-
-def check_max_fps(max_fps: object, name: str = "max_fps") -> float | None:
-    if max_fps is None:
-        return None
-    if isinstance(max_fps, bool) or not isinstance(max_fps, (int, float)) or not 0 < max_fps <= 1000:
-        message = f"{name} must be a number in (0, 1000] frames per second (unset: no cap), got {max_fps!r}"
-        raise CameraError(name, message)
-    return float(max_fps)
-
-
-def _number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
-
-
-@dataclass(slots=True, frozen=True)
-class CameraOptions:
-    """A camera's options, the same names over add(), HTTP, the Redis control list and the
-    `.streams` file; check() raises CameraError naming the field."""
-
-    policy: str = "freshest"
-    queue: int = 30  # every_frame: the FIFO's bound (freshest keeps one frame)
-    max_staleness_ms: float | None = None  # None: frames are never too old
-    motion_threshold: float | None = None  # None: no motion gate
-    tracker: str | None = None  # None, "bytetrack" or "botsort"
-
-    def check(self) -> CameraOptions:
-        if self.policy not in POLICIES:
-            raise CameraError("policy", f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        q = self.queue
-        if isinstance(q, bool) or not isinstance(q, int) or not 1 <= q <= 1000:
-            raise CameraError("queue", f"queue must be an integer in [1, 1000] frames (every_frame's FIFO), got {q!r}")
-        age = self.max_staleness_ms
-        if age is not None and (not _number(age) or not 0 < age <= 3_600_000):
-            message = f"max_staleness_ms must be a number in (0, 3600000] ms (unset: no limit), got {age!r}"
-            raise CameraError("max_staleness_ms", message)
-        if self.motion_threshold is not None:
-            from runtime.vision.motion import check_threshold
-
-            try:
-                check_threshold(self.motion_threshold)
-            except ValueError as exc:
-                raise CameraError("motion_threshold", str(exc)) from None
-        if self.tracker is not None:
-            try:
-                from runtime.vision.tracking import TRACKERS
-            except ImportError as exc:  # Ultralytics' trackers need its extras (lap)
-                raise CameraError("tracker", f"tracker {self.tracker!r} is not available here: {exc}") from None
-            if self.tracker not in TRACKERS:
-                message = f"tracker must be one of {', '.join(TRACKERS)} (unset: none), got {self.tracker!r}"
-                raise CameraError("tracker", message)
-        return self
-
-
-OPTION_FIELDS = ("max_fps", "policy", "queue", "max_staleness_ms", "motion_threshold", "tracker")
-
-
-def check_stream_url(url: object) -> str:
-    """A network stream URL, the only kind a remote caller may add: a local path or a webcam
-    index would let anyone who reaches the control endpoint open files on this host."""
-    kinds = "rtsp://, rtsps://, rtmp://, http(s)://, tcp:// or udp://"
-    if not isinstance(url, str) or not url.strip():
-        raise CameraError("url", f"url must be a stream URL ({kinds}), got {url!r}")
-    url = url.strip()
-    if len(url) > _MAX_URL or any(c.isspace() or ord(c) < 32 for c in url):
-        raise CameraError("url", f"url must be at most {_MAX_URL} characters without spaces or control characters")
-    if not is_stream_url(url):
-        raise CameraError(
-            "url",
-            f"url must be a stream URL ({kinds}); local files and webcams only come from the .streams file, "
-            f"got {redact(url)!r}",
-        )
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a malformed port
-    except ValueError as exc:
-        raise CameraError("url", f"url is malformed ({exc}): {redact(url)!r}") from None
-    if not parts.hostname:
-        raise CameraError("url", f"url has no host: {redact(url)!r}")
-    return url
-
-
-def camera_policy(prefixes: tuple[str, ...] = (), env=None, **overrides) -> UrlPolicy:
-    """The URL guard for cameras a remote caller adds: the stream schemes, any host unless
-    `prefixes`, user:password@ allowed (RTSP cameras take credentials only there), and
-    TANDEM_ALLOW_PRIVATE_URLS / TANDEM_ALLOWED_URL_NETWORKS from `env` (None: none read; the
-    CLI passes os.environ). Cameras on a LAN need one of those: private addresses are refused."""
-    prefixes = tuple(p.strip() for p in prefixes if p and p.strip())
-    kw = {"schemes": CAMERA_SCHEMES, "prefixes": prefixes, "any_host": not prefixes, "allow_userinfo": True}
-    if env is None:
-        return UrlPolicy(**{**kw, **overrides})
-    return UrlPolicy.from_env(env, **kw, **overrides)
-
-
-def _dial(policy: UrlPolicy, url: str) -> Dialled:
-    """What a camera's reader connects to, checked again at every (re)connect, so a name that
-    moves to a refused address is refused then (and the camera shows down, naming why).
-
-    FFmpeg opens the URL with the checked IP in place of the name, so it does not resolve the
-    name again. What stays outside the guard: the RTSP server's own redirects, which FFmpeg
-    follows; rtsps:// then has no SNI (FFmpeg does not verify certificates by default anyway)."""
-    checked = check_url(url, policy)
-    return Dialled(checked.url, checked.pinned(), checked.addresses[0])
-
-
-def redact(text: str | None) -> str | None:
-    """`text` with the password of any URL in it masked (rtsp://user:***@host/...)."""
-    return None if text is None else re.sub(r"(://[^/\s:@]*):[^/\s@]*@", r"\1:***@", text)
 
 
 @dataclass(slots=True, eq=False)
@@ -390,7 +255,7 @@ class CameraService:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.max_fps = check_max_fps(max_fps)
-        if batch_timeout_ms is not None and (not _number(batch_timeout_ms) or not 0 <= batch_timeout_ms <= 1000):
+        if batch_timeout_ms is not None and (not is_number(batch_timeout_ms) or not 0 <= batch_timeout_ms <= 1000):
             raise ValueError(
                 f"batch_timeout_ms must be a number in [0, 1000] (None: derived), got {batch_timeout_ms!r}"
             )
@@ -494,7 +359,7 @@ class CameraService:
                 except ValueError as exc:
                     raise CameraError("tracker", str(exc)) from None
             down = partial(self._camera_down, cam)
-            dial = None if allow_local else partial(_dial, self.url_policy)  # a .streams file is the operator's
+            dial = None if allow_local else partial(dial_camera, self.url_policy)  # a .streams file is the operator's
             buffer = options.queue if options.policy == "every_frame" else 0
             config = dataclasses.replace(self.stream_config, buffer=buffer)
             name = f"camera {camera_id}"
@@ -936,7 +801,7 @@ class CameraService:
         try:
             cmd = json_object(raw, "command", "a command must be a JSON object")
             if "id" in cmd:
-                if not isinstance(cmd["id"], str) or not _CAMERA_ID.fullmatch(cmd["id"]):
+                if not isinstance(cmd["id"], str) or not CAMERA_ID.fullmatch(cmd["id"]):
                     raise CameraError("id", f"id must be 1-64 characters of [A-Za-z0-9._-], got {cmd['id']!r}")
                 reply_id = cmd["id"]
             answer = {"ok": True, "camera": self.apply({k: v for k, v in cmd.items() if k != "id"})}

@@ -1,0 +1,167 @@
+"""What a camera command may hold, checked before the camera service acts on it: ids, rates,
+per-camera options and stream URLs, each refusal a CameraError naming its field. Shared by
+CameraService (workers/cameras.py), its HTTP control (cameras_http.py) and the `.streams`
+file (streams_file.py), so the three take the same names with the same rules."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.parse
+from dataclasses import dataclass
+
+from sources.base import is_stream_url
+from sources.stream_reader import Dialled
+from workers.urlguard import CAMERA_SCHEMES, UrlPolicy, check_url
+
+CAMERA_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+INSTANCE = re.compile(r"[A-Za-z0-9._:@-]{1,200}")
+MAX_URL = 2048
+POLICIES = ("freshest", "every_frame")
+
+
+class CameraError(ValueError):
+    """Bad input for a camera; `field` names the field at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class CameraNotFound(CameraError):
+    pass
+
+
+class CameraConflict(CameraError):
+    """The id is taken, or the service has all the cameras it may have."""
+
+
+def json_object(raw: str | bytes, field: str, message: str) -> dict:
+    """`raw` parsed as a JSON object, else CameraError(field, message)."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise CameraError(field, message) from None
+    if not isinstance(obj, dict):
+        raise CameraError(field, message)
+    return obj
+
+
+def check_camera_id(camera_id: object) -> str:
+    if not isinstance(camera_id, str) or not CAMERA_ID.fullmatch(camera_id):
+        raise CameraError("camera", f"camera must be 1-64 characters of [A-Za-z0-9._-], got {camera_id!r}")
+    return camera_id
+
+
+def check_instance(instance: object, name: str = "instance") -> str:
+    if not isinstance(instance, str) or not INSTANCE.fullmatch(instance):
+        raise ValueError(f"{name} must be 1-200 characters of [A-Za-z0-9._:@-], got {instance!r}")
+    return instance
+
+
+def check_max_fps(max_fps: object, name: str = "max_fps") -> float | None:
+    if max_fps is None:
+        return None
+    if isinstance(max_fps, bool) or not isinstance(max_fps, (int, float)) or not 0 < max_fps <= 1000:
+        message = f"{name} must be a number in (0, 1000] frames per second (unset: no cap), got {max_fps!r}"
+        raise CameraError(name, message)
+    return float(max_fps)
+
+
+def is_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+@dataclass(slots=True, frozen=True)
+class CameraOptions:
+    """A camera's options, the same names over add(), HTTP, the Redis control list and the
+    `.streams` file; check() raises CameraError naming the field."""
+
+    policy: str = "freshest"
+    queue: int = 30  # every_frame: the FIFO's bound (freshest keeps one frame)
+    max_staleness_ms: float | None = None  # None: frames are never too old
+    motion_threshold: float | None = None  # None: no motion gate
+    tracker: str | None = None  # None, "bytetrack" or "botsort"
+
+    def check(self) -> CameraOptions:
+        if self.policy not in POLICIES:
+            raise CameraError("policy", f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        q = self.queue
+        if isinstance(q, bool) or not isinstance(q, int) or not 1 <= q <= 1000:
+            raise CameraError("queue", f"queue must be an integer in [1, 1000] frames (every_frame's FIFO), got {q!r}")
+        age = self.max_staleness_ms
+        if age is not None and (not is_number(age) or not 0 < age <= 3_600_000):
+            message = f"max_staleness_ms must be a number in (0, 3600000] ms (unset: no limit), got {age!r}"
+            raise CameraError("max_staleness_ms", message)
+        if self.motion_threshold is not None:
+            from runtime.vision.motion import check_threshold
+
+            try:
+                check_threshold(self.motion_threshold)
+            except ValueError as exc:
+                raise CameraError("motion_threshold", str(exc)) from None
+        if self.tracker is not None:
+            try:
+                from runtime.vision.tracking import TRACKERS
+            except ImportError as exc:  # Ultralytics' trackers need its extras (lap)
+                raise CameraError("tracker", f"tracker {self.tracker!r} is not available here: {exc}") from None
+            if self.tracker not in TRACKERS:
+                message = f"tracker must be one of {', '.join(TRACKERS)} (unset: none), got {self.tracker!r}"
+                raise CameraError("tracker", message)
+        return self
+
+
+OPTION_FIELDS = ("max_fps", "policy", "queue", "max_staleness_ms", "motion_threshold", "tracker")
+
+
+def check_stream_url(url: object) -> str:
+    """A network stream URL, the only kind a remote caller may add: a local path or a webcam
+    index would let anyone who reaches the control endpoint open files on this host."""
+    kinds = "rtsp://, rtsps://, rtmp://, http(s)://, tcp:// or udp://"
+    if not isinstance(url, str) or not url.strip():
+        raise CameraError("url", f"url must be a stream URL ({kinds}), got {url!r}")
+    url = url.strip()
+    if len(url) > MAX_URL or any(c.isspace() or ord(c) < 32 for c in url):
+        raise CameraError("url", f"url must be at most {MAX_URL} characters without spaces or control characters")
+    if not is_stream_url(url):
+        raise CameraError(
+            "url",
+            f"url must be a stream URL ({kinds}); local files and webcams only come from the .streams file, "
+            f"got {redact(url)!r}",
+        )
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError as exc:
+        raise CameraError("url", f"url is malformed ({exc}): {redact(url)!r}") from None
+    if not parts.hostname:
+        raise CameraError("url", f"url has no host: {redact(url)!r}")
+    return url
+
+
+def camera_policy(prefixes: tuple[str, ...] = (), env=None, **overrides) -> UrlPolicy:
+    """The URL guard for cameras a remote caller adds: the stream schemes, any host unless
+    `prefixes`, user:password@ allowed (RTSP cameras take credentials only there), and
+    TANDEM_ALLOW_PRIVATE_URLS / TANDEM_ALLOWED_URL_NETWORKS from `env` (None: none read; the
+    CLI passes os.environ). Cameras on a LAN need one of those: private addresses are refused."""
+    prefixes = tuple(p.strip() for p in prefixes if p and p.strip())
+    kw = {"schemes": CAMERA_SCHEMES, "prefixes": prefixes, "any_host": not prefixes, "allow_userinfo": True}
+    if env is None:
+        return UrlPolicy(**{**kw, **overrides})
+    return UrlPolicy.from_env(env, **kw, **overrides)
+
+
+def dial_camera(policy: UrlPolicy, url: str) -> Dialled:
+    """What a camera's reader connects to, checked again at every (re)connect, so a name that
+    moves to a refused address is refused then (and the camera shows down, naming why).
+
+    FFmpeg opens the URL with the checked IP in place of the name, so it does not resolve the
+    name again. What stays outside the guard: the RTSP server's own redirects, which FFmpeg
+    follows; rtsps:// then has no SNI (FFmpeg does not verify certificates by default anyway)."""
+    checked = check_url(url, policy)
+    return Dialled(checked.url, checked.pinned(), checked.addresses[0])
+
+
+def redact(text: str | None) -> str | None:
+    """`text` with the password of any URL in it masked (rtsp://user:***@host/...)."""
+    return None if text is None else re.sub(r"(://[^/\s:@]*):[^/\s@]*@", r"\1:***@", text)
