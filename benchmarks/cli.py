@@ -14,6 +14,7 @@ from benchmarks.mixed import add_bench_arguments as add_mixed_bench
 from benchmarks.serve import add_bench_serve_arguments
 from benchmarks.single import add_arguments as add_single
 from benchmarks.step import add_arguments as add_step
+from benchmarks.streams import add_bench_streams_arguments
 from benchmarks.vision import add_bench_arguments as add_vision_bench
 from benchmarks.weight_kernels import add_arguments as add_weight_kernels
 from tandem.cli import int_list
@@ -45,6 +46,9 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     )
     add_single(
         bench.add_parser("single", help="one sequence: decode and prefill tokens/s against llama.cpp on the GGUF")
+    )
+    add_bench_streams_arguments(
+        bench.add_parser("streams", help="cameras per machine within a p99 latency bound, against Ultralytics")
     )
     add_step(bench.add_parser("step", help="a decode step against its linear floor, eager and captured; start-up"))
     add_weight_kernels(
@@ -93,6 +97,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
         from benchmarks.step import run as run_step
 
         return run_step(args)
+    if args.bench == "streams":
+        from benchmarks.streams import run_bench as run_streams
+
+        return run_streams(args)
     if args.bench == "weight-kernels":
         from benchmarks.weight_kernels import run as run_weight_kernels
 

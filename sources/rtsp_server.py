@@ -166,8 +166,10 @@ class FrameClock:
     """Makes frame n at its due time and keeps only the newest: a client that falls behind
     skips frames, as with a live camera, rather than queueing them."""
 
-    def __init__(self, width: int, height: int, fps: float) -> None:
+    def __init__(self, width: int, height: int, fps: float, picture=None) -> None:
         self.width, self.height, self.fps = width, height, fps
+        # picture(n, t) -> BGR frame n at t seconds (sources/loopback.py's scene or clip); the ball by default
+        self.picture = picture or (lambda n, t: ball_frame(t, width, height))
         self.cond = threading.Condition()
         self.index = -1  # of the newest frame
         self.frame: JpegScan | None = None
@@ -184,7 +186,7 @@ class FrameClock:
             elif now - due > 1.0:  # woken from SIGSTOP: carry on from now, not with a burst
                 due = now
             t = due - self._epoch
-            frame = parse_jpeg(encode_jpeg(ball_frame(t, self.width, self.height)))
+            frame = parse_jpeg(encode_jpeg(self.picture(n, t)))
             with self.cond:
                 self.index, self.frame, self.rtp_time = n, frame, round(t * CLOCK_HZ)
                 self.cond.notify_all()
@@ -371,11 +373,11 @@ class CameraServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     request_queue_size = 32  # a frozen camera's kernel still accepts retries into the backlog
 
-    def __init__(self, host: str, port: int, path: str, width: int, height: int, fps: int) -> None:
+    def __init__(self, host: str, port: int, path: str, width: int, height: int, fps: int, picture=None) -> None:
         self.path, self.fps = path.strip("/"), fps
         self.sdp_id = random.getrandbits(32)
         super().__init__((host, port), Handler)
-        self.clock = FrameClock(width, height, fps)
+        self.clock = FrameClock(width, height, fps, picture)
 
     def sdp(self) -> str:
         return "\r\n".join(

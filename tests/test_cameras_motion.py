@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from runtime.vision.motion import MotionGate
-from runtime.vision.synthetic import moving_scene
 from sources.loopback import MjpegServer
+from sources.scene import moving_scene
 from sources.stream_reader import StreamConfig
 from workers.cameras import CameraService, camera_policy
 

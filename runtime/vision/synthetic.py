@@ -8,6 +8,9 @@ byte. The layout is Ultralytics' (images/<split>/*.jpg, labels/<split>/*.txt wit
 `class cx cy w h` normalised, and a data YAML), so its trainer and validator read it as is.
 
     python -m runtime.vision.synthetic OUT_DIR --train 800 --val 200 --imgsz 320
+
+The same kinds of shapes moving across a still background, the test camera of
+`python -m sources.loopback`, are drawn by sources/scene.py (below this floor, for the camera).
 """
 
 from __future__ import annotations

@@ -1,0 +1,71 @@
+"""`tandem bench streams --tiny`: the cameras-per-machine bench end to end, in seconds.
+
+The Tandem side always runs (the shipped detector on a CPU Runtime, loopback cameras in a
+process of their own); the Ultralytics peer runs when its side environment exists, and the
+report says why it did not otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.streams import LOOP_FRAMES, PEER_PYTHON, score
+
+REPO = Path(__file__).resolve().parents[1]
+ROW_FIELDS = {
+    "cameras",
+    "frames_sent",
+    "results",
+    "drop_fraction",
+    "latency_ms_p50",
+    "latency_ms_p99",
+    "results_per_s",
+    "boxes_per_result",
+    "passed",
+}
+
+
+def test_score_matches_each_result_to_the_newest_frame_with_its_stamp():
+    # frame 0 and frame LOOP_FRAMES share stamp 0: a result arriving after both is of the later one
+    sends = {0: [(10.0, 0), (10.2, 1), (20.0, LOOP_FRAMES)]}
+    results = [(0, 0, 10.05, 3), (0, 0, 20.1, 3)]
+    row = score(sends, results, 9.0, 21.0)
+    assert row["frames_sent"] == 3 and row["results"] == 2
+    assert row["drop_fraction"] == round(1 - 2 / 3, 4), "frame 1 never got a result"
+    assert row["latency_ms_p50"] == 75.0 and row["latency_ms_p99"] <= 100.0
+
+
+def test_tiny_bench_reports_both_sides_and_plots(tmp_path):
+    out = tmp_path / "streams"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "streams", "--tiny", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "flags:" in proc.stdout and "largest N" in proc.stdout
+    report = json.loads((out / "streams.json").read_text())
+    assert report["cpu"]["flags"] and report["cpu"]["cores"] >= 1
+    assert report["config"]["cameras"] == [1, 2] and report["config"]["bound_ms"] == 250.0
+    tandem = report["tandem"]
+    assert [r["cameras"] for r in tandem["rows"]][:1] == [1]
+    for row in tandem["rows"]:
+        assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)
+        assert row["frames_sent"] > 0 and row["results"] > 0, "Tandem must run, not skip"
+        assert row["boxes_per_result"] >= 1, "the detector finds the scene's shapes"
+        assert row["latency_ms_p99"] >= row["latency_ms_p50"] > 0
+    assert tandem["max_cameras"] >= 1, "one 5 fps camera fits within 250 ms anywhere"
+    peer = report["peer"]
+    if Path(PEER_PYTHON).exists():
+        assert peer["rows"] and ROW_FIELDS <= set(peer["rows"][0])
+        assert peer["rows"][0]["results"] > 0
+        assert report["ratio"] == round(tandem["max_cameras"] / peer["max_cameras"], 3)
+    else:
+        assert "no side environment" in peer["skipped"] and report["ratio"] is None
+    assert (out / "streams.png").stat().st_size > 1000
