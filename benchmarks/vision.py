@@ -95,6 +95,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peers", default=",".join(PEER_FORMATS), help=f"comma-separated peers to run, of {', '.join(PEER_FORMATS)}"
     )
+    parser.add_argument(
+        "--backends",
+        default="torch,onnxruntime,openvino",
+        help="Tandem's forward backends to run (CPU; runtime/vision/backends.py), each a row in float32",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed passes per row (default 3, --quick 2)")
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--streams", type=int, default=8)
@@ -330,7 +335,29 @@ def _tandem_configs(args: argparse.Namespace, end2end: bool) -> dict[str, dict]:
             configs[dtype] = {"dtype": dtype}
     if end2end and not args.quick:
         configs["float32 nms head"] = {"dtype": "float32", "end2end": False}
+    if args.device == "cpu":  # the exported backends, same weights via Ultralytics' exporter
+        for backend in [b for b in args.backends.split(",") if b and b != "torch"]:
+            configs[f"{backend} float32"] = {"dtype": "float32", "backend": backend}
     return configs
+
+
+TARGET = 1.5  # issue 21: Tandem at least 1.5x the best peer
+
+
+def cpu_flags() -> str:
+    """The CPU model and the SIMD flags that decide these figures (AVX2, AVX-512, AMX)."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    keep = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "vnni")) or f in ("f16c",))
+    return f"{model or 'unknown CPU'}, {os.cpu_count()} cores: {' '.join(keep)}"
 
 
 def _run_all(engine, paths: list[str], window: int = 128) -> None:
@@ -609,6 +636,14 @@ def run_bench(args: argparse.Namespace) -> int:
     for r in tandem_rows:
         r["vs_best_peer"] = r["images_per_s"] / best["images_per_s"] if best else None
     results["rows"] = peer_rows + tandem_rows
+    fastest = max(tandem_rows, key=lambda r: r["images_per_s"])
+    results["cpu"] = cpu_flags()
+    results["target"] = {
+        "ratio": TARGET,
+        "best_tandem": fastest["name"],
+        "best_tandem_ratio": fastest["vs_best_peer"],
+        "met": None if best is None else fastest["vs_best_peer"] >= TARGET,
+    }
     results["best_peer"] = None if best is None else {"name": best["name"], "images_per_s": best["images_per_s"]}
     results["skipped"] = skipped
     results["ultralytics_val"] = ul_val or None
@@ -643,6 +678,13 @@ def _print_table(results: dict) -> None:
         print(f"{r['name']:34s} {r['images_per_s']:10.2f} {ratio} {maps}")
     if best:
         print(f"best peer: {best['name']} ({best['images_per_s']:.2f} images/s)")
+    t = results["target"]
+    if t["met"] is not None:
+        print(
+            f"target {t['ratio']}x the best peer: {'MET' if t['met'] else 'NOT met'} "
+            f"({t['best_tandem']}: {t['best_tandem_ratio']:.2f}x)"
+        )
+    print(f"cpu: {results['cpu']}")
     for head, v in (results.get("ultralytics_val") or {}).items():
         print(f"{'ultralytics val, ' + head:34s} {'':10s} {'':13s} {v['map50_95']:9.4f} {v['map50']:7.4f}")
     for msg in results["skipped"]:

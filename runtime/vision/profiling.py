@@ -16,7 +16,7 @@ from schedulers import DynamicBatchConfig
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def _profile_key(config: VisionConfig, sizes: list[int], threads: int | None) -> str:
+def _profile_key(config: VisionConfig, sizes: list[int], threads: int | None, backend: str = "torch") -> str:
     """What the rates depend on: the model (and its file's size and time), the input size, the
     numeric settings, the threads and the machine (CPU model, cores, torch, GPU)."""
     import hashlib
@@ -54,6 +54,7 @@ def _profile_key(config: VisionConfig, sizes: list[int], threads: int | None) ->
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch": torch.__version__,
         "gpu": gpu,
+        **({} if backend == "torch" else {"backend": backend}),  # torch keeps the keys cached before backends
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -115,5 +116,37 @@ def profiled_batching(
     def measure() -> dict[int, float]:
         return run_in_thread(lambda: runner.profile(sizes), threads)
 
+    if config.backend == "auto":
+        return _auto_backend(runner, config, threads, sizes, cache, measure)
     rates = _cached_rates(_profile_key(config, sizes, threads), measure) if cache else measure()
     return dataclasses.replace(batching, preferred_batch_sizes=(runner.best_batch_size(rates),)), rates
+
+
+# What backend "auto" chooses among: the float32 exports, whose mAP on the shipped detector's
+# held-out set is held within 0.5 points of torch float32 by tests/test_vision_backends.py (their
+# outputs agree with torch to ~3e-5), and torch in the dtype the accuracy rule resolves
+# (tests/test_vision_accuracy.py). int8 (backends "onnxruntime-int8") is not among them: see
+# backends.py for its measured mAP and speed.
+AUTO_CANDIDATES = ("torch", "onnxruntime", "openvino")
+
+
+def _auto_backend(runner, config, threads, sizes, cache, measure):
+    """Backend "auto": each candidate's rates (cached like torch's), then the (backend, batch
+    size) with the most images/s; another backend must beat torch by 5% (timer noise)."""
+    import importlib.util
+
+    results: dict[str, dict[int, float]] = {}
+    for name in AUTO_CANDIDATES:
+        if name != "torch" and (config.device != "cpu" or importlib.util.find_spec(name) is None):
+            continue
+        runner.use_backend(name)
+        key = _profile_key(config, sizes, threads, name)
+        results[name] = _cached_rates(key, measure) if cache else measure()
+    best = "torch"
+    for name, rates in results.items():
+        if max(rates.values()) > max(results[best].values()) * 1.05:
+            best = name
+    runner.use_backend(best)
+    runner.backend_rates = {k: dict(v) for k, v in results.items()}
+    rates = results[best]
+    return dataclasses.replace(config.batching, preferred_batch_sizes=(runner.best_batch_size(rates),)), rates

@@ -95,6 +95,7 @@ class YoloRunner:
         # The forward's engine (runtime/vision/backends.py); "auto" runs torch until the
         # start-up profile (profiling.py) picks one with use_backend.
         self.backend = "torch"
+        self.backend_rates: dict[str, dict[int, float]] = {}  # "auto": each candidate's measured images/s
         self._forward = self.model.forward
         if self.config.backend not in ("auto", "torch"):
             self.use_backend(self.config.backend)
