@@ -5,7 +5,7 @@
     python -m sources.loopback --cameras 4 --streams-file cams.streams   # 4 cameras, 4 free ports
     python -m sources.loopback --rtsp --port 8554            # the same picture over RTSP
 
-The generated picture is runtime/vision/synthetic.py's moving scene: circles, squares and
+The generated picture is sources/scene.py's moving scene: circles, squares and
 triangles gliding over a still background, the classes the shipped detector was trained on.
 Once every camera listens it prints one line per camera, `ready URL`, so a parent waits on the
 lines rather than sleeping; `--port 0` takes a free port and the line names it.
@@ -281,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m sources.loopback",
         description="Serve a test camera over MJPEG (HTTP) or RTSP: a generated scene of moving circles, squares "
         "and triangles (the shipped detector's classes) or a local clip. Prints `ready URL` per camera.",
-        epilog="Example: python -m sources.loopback --cameras 2 --fps 10 --streams-file cams.streams && "
-        "tandem streams cams.streams",
+        epilog="Example: `python -m sources.loopback --cameras 2 --fps 10 --streams-file cams.streams &` "
+        "then, once it prints its URLs, `tandem streams cams.streams`.",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="first camera's port; camera k gets port+k (0: free ports)")
