@@ -141,8 +141,15 @@ def _line_source(path: str, folder: str, lineno: int, text: str) -> str:
 
 
 def parse_streams_file(path: str) -> list[str]:
-    """The sources of a `.streams` file (read_streams_lines), for `tandem detect`, which reads
-    each line's source and its `id=` (checked: 1-64 characters of [A-Za-z0-9._-], unique).
+    """The sources of a `.streams` file (read_streams_lines), for `tandem detect`: see
+    parse_streams_ids, which also gives each line's `id=`."""
+    return [source for source, _ in parse_streams_ids(path)]
+
+
+def parse_streams_ids(path: str) -> list[tuple[str, str | None]]:
+    """(source, id or None) per line of a `.streams` file, for `tandem detect`, which reads each
+    line's source and its `id=` (checked: 1-64 characters of [A-Za-z0-9._-], unique): the id
+    names the stream in what detect reports of it ("camera door"), as tandem streams does.
     Every other option (max_fps=, policy=, tracker=, ...) belongs to `tandem streams`, and is
     an error naming the line here rather than a setting silently not applied."""
     entries = read_streams_lines(path)
@@ -161,7 +168,7 @@ def parse_streams_file(path: str) -> list[str]:
             if camera_id in seen:
                 raise SourceError(f"{path} line {e.lineno}: id {camera_id} is taken by line {seen[camera_id]}")
             seen[camera_id] = e.lineno
-    return [e.source for e in entries]
+    return [(e.source, e.options.get("id")) for e in entries]
 
 
 class StreamsSource:
@@ -172,16 +179,19 @@ class StreamsSource:
         while the consumer is still loading its model are not dropped."""
         self.config = config or StreamConfig()
         if isinstance(source, str):
-            urls = parse_streams_file(source) if source.endswith(".streams") else [source]
+            entries = parse_streams_ids(source) if source.endswith(".streams") else [(source, None)]
         else:
-            urls = list(source)
-        if not urls:
+            entries = [(u, None) for u in source]
+        if not entries:
             raise SourceError("no streams given")
-        self.urls = urls
+        self.urls = urls = [u for u, _ in entries]
         self._cond = threading.Condition()
         self._errors: deque[Frame] = deque(maxlen=4 * len(urls))  # bounded even if nobody reads
         self._closed = False
-        self.readers = [StreamReader(i, u, self.config, self._cond, self._report) for i, u in enumerate(urls)]
+        self.readers = [
+            StreamReader(i, u, self.config, self._cond, self._report, name=None if cid is None else f"camera {cid}")
+            for i, (u, cid) in enumerate(entries)
+        ]
         if start:
             self.start()
 

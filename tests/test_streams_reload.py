@@ -129,11 +129,28 @@ def test_the_line_syntax_is_checked_naming_the_line(tmp_path):
 def test_tandem_detect_refuses_options_it_would_ignore(tmp_path):
     f = tmp_path / "cams.streams"
     _write(f, "rtsp://a/1 id=door\nrtsp://b/2\n")
-    assert parse_streams_file(str(f)) == ["rtsp://a/1", "rtsp://b/2"]  # id only names the camera
+    assert parse_streams_file(str(f)) == ["rtsp://a/1", "rtsp://b/2"]  # id names the camera (next test)
     _write(f, "rtsp://a/1\nrtsp://b/2 max_fps=5\n")
     with pytest.raises(SourceError) as exc:
         parse_streams_file(str(f))
     assert "line 2" in str(exc.value) and "max_fps" in str(exc.value) and "tandem streams" in str(exc.value)
+
+
+def test_tandem_detect_names_a_stream_by_its_id(tmp_path):
+    """id= is not accepted and ignored by detect: a stream that fails is reported by its id."""
+    import socket
+
+    from sources.stream_reader import StreamConfig
+    from sources.streams import StreamsSource
+
+    with socket.socket() as s:  # a port nobody listens on: the camera is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    f = tmp_path / "cams.streams"
+    _write(f, f"http://127.0.0.1:{port}/cam.mjpg id=door\n")
+    with StreamsSource(str(f), StreamConfig(max_retries=0, open_timeout_s=2.0)) as src:
+        errors = [fr.error for fr in src.next_batch(timeout=30) if fr.error]
+    assert errors and "camera door" in errors[0], errors
 
 
 def _ready_url(proc, lines: list[str], log) -> str | None:
