@@ -19,60 +19,6 @@ from dataclasses import dataclass
 from sources.base import Frame, SourceError, is_stream_url
 from sources.stream_reader import TERMINAL, StreamConfig, StreamHealth, StreamReader
 
-_OPTION = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(\S*)")
-
-
-def parse_streams_lines(path: str) -> list[tuple[int, str, dict[str, str]]]:
-    """(line number, source, {key: value text}) per camera line of a `.streams` file, a line
-    being `SOURCE [key=value ...]`: a stream URL (rtsp, rtmp, http(s), tcp, udp), a webcam
-    index or a local video file (relative to the file's folder), then options separated by
-    spaces. A line that is an existing file as a whole is that file (names with spaces).
-    Blank lines and # comments are skipped; anything else is an error naming the line. The
-    keys are not checked here: each reader of the file knows which it takes."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
-    except FileNotFoundError as exc:
-        raise SourceError(f"source not found: {path}") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SourceError(f"cannot read streams file {path}: {exc}") from exc
-    folder = os.path.dirname(os.path.abspath(path))
-    out = []
-    for lineno, raw in enumerate(lines, 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        whole = line if os.path.isabs(line) else os.path.join(folder, line)
-        if os.path.isfile(whole):
-            out.append((lineno, whole, {}))
-            continue
-        head, *rest = line.split()
-        options: dict[str, str] = {}
-        for token in rest:
-            m = _OPTION.fullmatch(token)
-            if m is None:
-                raise SourceError(f"{path} line {lineno}: {token!r} is not an option key=value (URL [key=value ...])")
-            if m[1] in options:
-                raise SourceError(f"{path} line {lineno}: option {m[1]!r} is given twice")
-            options[m[1]] = m[2]
-        if is_stream_url(head) or head.isdigit():
-            if "://" in head and not head.split("://", 1)[1].strip("/"):
-                raise SourceError(f"{path} line {lineno}: stream URL {head!r} has no host")
-            out.append((lineno, head, options))
-            continue
-        full = head if os.path.isabs(head) else os.path.join(folder, head)
-        if os.path.isfile(full):
-            out.append((lineno, full, options))
-            continue
-        raise SourceError(
-            f"{path} line {lineno}: {head!r} is neither a stream URL (rtsp://, rtmp://, http(s)://, tcp://, "
-            f"udp://), a webcam index nor an existing video file"
-        )
-    if not out:
-        raise SourceError(f"streams file {path} lists no streams (blank lines and # comments are skipped)")
-    return out
-
-
 _OPTION = re.compile(r"([a-z_]+)=(\S*)")
 _ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 

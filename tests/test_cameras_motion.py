@@ -9,60 +9,21 @@ loopback MJPEG cameras; every wait is on records arriving with a deadline.
 
 from __future__ import annotations
 
-import json
-import threading
-
 import numpy as np
 import pytest
+from camera_helpers import FAST, POLICY, VISION, Lines, frames_of
 
 from runtime.vision.motion import MotionGate
 from sources.loopback import MjpegServer
 from sources.scene import moving_scene
-from sources.stream_reader import StreamConfig
-from workers.cameras import CameraService, camera_policy
+from workers.cameras import CameraService
 
-SAFETY_S = 30
-VISION = {
-    "model": "yolo26n.yaml",
-    "imgsz": 160,
-    "conf": 0.0,
-    "max_det": 3,
-    "profile": False,
-    "batching": {"max_batch_size": 8, "max_queue_delay_ms": 5.0},
-}
-FAST = StreamConfig(open_timeout_s=0.5, read_timeout_s=0.5, stall_after_s=0.5, backoff_initial_s=0.1, backoff_max_s=0.4)
-POLICY = camera_policy(allowed_networks=("127.0.0.1/32",))
 STILL, MOVING = 40, 10
 
 
 def mostly_still_scene() -> list[np.ndarray]:
     moving = moving_scene(MOVING + 1, seed=5)
     return [moving[0]] * STILL + moving[1:]  # the first moving frame is the still one
-
-
-class Lines:
-    """A JSON-lines sink the test can wait on."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.records: list[dict] = []
-
-    def write(self, text: str) -> None:
-        with self.cond:
-            self.records.extend(json.loads(line) for line in text.splitlines())
-            self.cond.notify_all()
-
-    def flush(self) -> None:
-        pass
-
-    def wait(self, predicate, timeout: float = SAFETY_S) -> list[dict]:
-        with self.cond:
-            assert self.cond.wait_for(lambda: predicate(self.records), timeout), f"{len(self.records)} records"
-            return list(self.records)
-
-
-def frames_of(records: list[dict], camera: str) -> list[dict]:
-    return [r for r in records if r["camera"] == camera and r["frame"] is not None]
 
 
 def test_the_gate_passes_motion_and_stops_a_still_or_noisy_frame():
