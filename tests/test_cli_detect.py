@@ -283,6 +283,23 @@ def test_bad_classes_is_a_usage_error_naming_the_flag(capsys, value):
     assert exc.value.code == 2 and "--classes" in capsys.readouterr().err
 
 
+def test_backend_reaches_the_runner_and_keeps_the_boxes(capsys, shapes, tmp_path, monkeypatch):
+    """--backend is not accepted and ignored: onnxruntime runs the export (the summary names
+    it) and gives torch float32's boxes."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    torch_lines = _shipped(capsys, str(shapes))
+    ort_lines = _shipped(capsys, str(shapes), "--backend", "onnxruntime")
+    assert list((tmp_path / "cache").rglob("*.onnx")), "an ONNX export was made and run"
+    assert [x["cls"] for x in ort_lines] == [x["cls"] for x in torch_lines]
+    for a, b in zip(ort_lines, torch_lines):
+        assert np.allclose(np.array(a["boxes"]), np.array(b["boxes"]), atol=0.5)
+
+
+def test_bad_backend_is_a_usage_error_naming_the_flag(capsys, shapes):
+    code, _, err = _run(capsys, str(shapes), "--backend", "tensorflow")
+    assert code == 2 and "backend must be one of" in err
+
+
 def _duplicates(lines, iou):
     """(image, box, box) triples of same-class boxes overlapping more than iou."""
     from runtime.vision.evaluate import box_iou

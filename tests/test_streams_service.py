@@ -484,6 +484,7 @@ BAD_ARGS = [
     (["--max-fps", "0"], "--max-fps"),
     (["--batch-timeout-ms", "-1"], "--batch-timeout-ms"),
     (["--classes", "a"], "--classes"),
+    (["--backend", "tensorflow"], "--backend"),
     (["--port", "70000"], "--port"),
     (["--duration", "-1"], "--duration"),
     (["--imgsz", "100"], "imgsz"),

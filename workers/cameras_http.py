@@ -45,7 +45,7 @@ import threading
 import time
 
 from runtime.vision.detector import WEIGHTS, default_imgsz  # pathlib only
-from runtime.vision.flags import add_max_image_pixels_argument, max_image_pixels_option
+from runtime.vision.flags import add_backend_argument, add_max_image_pixels_argument, max_image_pixels_option
 
 # Nothing heavy at import: runtime/cli.py builds its parser from add_streams_arguments. (And no
 # `from __future__ import annotations`: FastAPI must see the endpoints' annotations as objects.)
@@ -406,6 +406,7 @@ def add_streams_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-size", type=int, default=8, help="most frames (of any cameras) in one forward pass")
     g.add_argument("--no-profile", action="store_true", help="skip the start-up batch-size profiling")
     add_max_image_pixels_argument(g)
+    add_backend_argument(g)
 
 
 def _source_urls(source: str) -> list[str]:
@@ -466,12 +467,9 @@ def security(args: argparse.Namespace, env=None) -> Security:
 
 
 def _classes(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(c) for c in text.split(",") if c.strip()]
-    except ValueError:
-        raise ValueError(f"--classes must be comma-separated class ids (integers >= 0), got {text!r}") from None
+    from runtime.vision.flags import parse_class_ids
+
+    return None if text is None else list(parse_class_ids(text))
 
 
 def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
@@ -512,6 +510,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
         "imgsz": args.imgsz or default_imgsz(args.vision_model),
         "conf": args.conf,
         "device": _device(args.device),
+        "backend": args.backend,
         "batching": {"max_batch_size": args.max_batch_size},
         "profile": not args.no_profile,
     }
@@ -523,7 +522,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
         VisionConfig.from_dict(vision)  # every field checked before anything loads
     except ValueError as exc:
         message = str(exc)
-        raise ValueError("--" + message if message.startswith(("classes", "device")) else message) from None
+        raise ValueError("--" + message if message.startswith(("classes", "device", "backend")) else message) from None
     security(args)  # last: a bad flag above is named first, whatever the key
     return urls, vision, redis_url
 

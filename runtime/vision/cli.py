@@ -22,7 +22,12 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 
 from runtime.vision.detector import WEIGHTS, default_imgsz
-from runtime.vision.flags import add_max_image_pixels_argument, max_image_pixels_option
+from runtime.vision.flags import (
+    add_backend_argument,
+    add_max_image_pixels_argument,
+    max_image_pixels_option,
+    parse_class_ids,
+)
 from runtime.vision.records import detection_record
 
 EXIT_OK, EXIT_ALL_FAILED, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -114,17 +119,15 @@ def add_detect_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-profile", action="store_true", help="skip the start-up batch-size profiling")
     add_max_image_pixels_argument(parser)
+    add_backend_argument(parser)
 
 
 def class_ids(text: str) -> tuple[int, ...]:
-    """`--classes 0,2` -> (0, 2)."""
+    """`--classes 0,2` -> (0, 2), as an argparse type."""
     try:
-        ids = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected class ids like 0,2, got {text!r}") from None
-    if any(i < 0 for i in ids):
-        raise argparse.ArgumentTypeError(f"class ids are >= 0, got {text!r}")
-    return ids
+        return parse_class_ids(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--classes").lstrip(": ")) from None
 
 
 def default_device() -> str:
@@ -165,6 +168,7 @@ def run_detect(args: argparse.Namespace) -> int:
             iou=args.iou,
             end2end=False if args.nms else None,
             classes=args.classes,
+            backend=args.backend,
             device=device,
             dtype=args.dtype,
             batching=batching,

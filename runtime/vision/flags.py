@@ -25,3 +25,24 @@ def max_image_pixels_option(args: argparse.Namespace) -> dict:
     if value < 1:
         raise ValueError(f"--max-image-pixels must be an integer >= 1, got {value}")
     return {"max_image_pixels": value}
+
+
+def add_backend_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument(
+        "--backend",
+        default="torch",
+        help="the forward's engine: torch (Ultralytics' parity path), onnxruntime or openvino (Ultralytics' "
+        "export of the same weights, cached), or auto (the fastest by the start-up profile); "
+        "runtime/vision/backends.py",
+    )
+
+
+def parse_class_ids(text: str, flag: str = "--classes") -> tuple[int, ...]:
+    """`0,2` -> (0, 2); ValueError naming `flag` otherwise."""
+    try:
+        ids = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated class ids like 0,2, got {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise ValueError(f"{flag}: class ids are >= 0, got {text!r}")
+    return ids
