@@ -46,6 +46,7 @@ import time
 
 from runtime.vision.detector import WEIGHTS, default_imgsz  # pathlib only
 from runtime.vision.flags import add_backend_argument, add_max_image_pixels_argument, max_image_pixels_option
+from workers.cameras_security import KEY_COOKIE, Security, is_loopback, public_row
 
 # Nothing heavy at import: runtime/cli.py builds its parser from add_streams_arguments. (And no
 # `from __future__ import annotations`: FastAPI must see the endpoints' annotations as objects.)
@@ -54,8 +55,6 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MAX_BODY = 64 * 1024
 
 
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-KEY_COOKIE = "tandem_streams_key"
 _JSON_METHODS = ("POST", "PUT", "PATCH")
 
 
@@ -69,84 +68,6 @@ def _error(status: int, message: str, param: str | None = None, type_: str | Non
     types = {401: "authentication_error", 409: "conflict_error", 415: "invalid_request_error"}
     err = APIError(status, message, param, type_ or types.get(status), headers)
     return JSONResponse(err.body(), status_code=status, headers=err.headers)
-
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host.strip("[]").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-class Security:
-    """Who may drive the service: `api_keys` (none: no key, which run_streams allows on a
-    loopback host only) and the names it answers to in the Host header: the bound host, the
-    loopback names when bound to loopback, `allowed_hosts`, and the address a request came in
-    on (an IP literal is no DNS rebinding: that needs a name the attacker controls)."""
-
-    def __init__(self, api_keys=(), host: str = "127.0.0.1", allowed_hosts=()) -> None:
-        self.api_keys = tuple(k for k in api_keys if k)
-        names = {host.strip("[]").lower(), *(h.strip().strip("[]").lower() for h in allowed_hosts if h.strip())}
-        if is_loopback(host):
-            names.update(LOOPBACK_NAMES)
-        self.hosts = frozenset(names)
-
-    def host_ok(self, header: str | None, local_address: str | None) -> bool:
-        if not header:
-            return False
-        name = header.strip().lower()
-        if name.startswith("["):
-            name = name[1 : name.find("]")] if "]" in name else name
-        elif name.count(":") == 1:
-            name = name.split(":", 1)[0]
-        return name in self.hosts or (local_address is not None and name == local_address.lower())
-
-    def key_ok(self, request) -> bool:
-        import hmac
-
-        if not self.api_keys:
-            return True
-        auth = request.headers.get("authorization", "")
-        presented = auth[7:].strip() if auth[:7].lower() == "bearer " else request.cookies.get(KEY_COOKIE, "")
-        presented_b = presented.encode("utf-8", "replace")
-        # Every key compared, each in constant time: the timing says nothing of a guess.
-        return any([hmac.compare_digest(presented_b, k.encode()) for k in self.api_keys])
-
-
-def public_error(text: str | None) -> str | None:
-    """A camera's error as a class, never what the target answered: GET /cameras must not tell a
-    caller what answers on an internal address (an HTTP reason, a Content-Type, a banner read as
-    a status line). The full text goes to the log."""
-    if text is None:
-        return None
-    low = text.split("): ", 1)[-1].lower()  # past "camera ID (URL): ": the URL is the caller's own text
-    for needle, label in (
-        ("valueerror: url", "refused by the URL policy"),
-        ("timed out", "timed out"),
-        ("timeout", "timed out"),
-        ("connection refused", "connection refused"),
-        ("refused", "connection refused"),
-        ("too large", "frame too large"),
-        ("imagetoolarge", "frame too large"),
-        ("not multipart mjpeg", "not a video stream"),
-        ("not a video", "not a video stream"),
-        ("http 4", "HTTP client error (4xx)"),
-        ("http 5", "HTTP server error (5xx)"),
-        ("ended", "the stream ended"),
-        ("resolve", "name not resolved"),
-        ("name or service", "name not resolved"),
-    ):
-        if needle in low:
-            return label
-    return "not a video stream"
-
-
-def _public_row(row: dict) -> dict:
-    return {**row, "last_error": public_error(row.get("last_error"))}
 
 
 def create_app(service, security: Security | None = None, stop: threading.Event | None = None, view_fps=None):
@@ -217,7 +138,7 @@ def create_app(service, security: Security | None = None, stop: threading.Event 
 
     @app.get("/cameras")
     def list_cameras():
-        return {"cameras": [_public_row(r) for r in service.cameras()]}
+        return {"cameras": [public_row(r) for r in service.cameras()]}
 
     @app.get("/cameras/{camera_id}/view")
     def view(camera_id: str):
@@ -239,11 +160,11 @@ def create_app(service, security: Security | None = None, stop: threading.Event 
         cmd = json_object(body, "body", 'the body must be a JSON object {"camera", "url", "max_fps"?}')
         if "op" in cmd:
             raise CameraError("op", "op is for the Redis control list; POST adds, DELETE removes")
-        return {"camera": _public_row(service.apply({**cmd, "op": "add"}))}
+        return {"camera": public_row(service.apply({**cmd, "op": "add"}))}
 
     @app.delete("/cameras/{camera_id}")
     def remove_camera(camera_id: str):
-        return {"camera": _public_row(service.remove(camera_id))}
+        return {"camera": public_row(service.remove(camera_id))}
 
     @app.get("/metrics")
     def metrics():
