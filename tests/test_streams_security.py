@@ -150,7 +150,7 @@ def test_file_and_loopback_camera_urls_are_refused_by_default(service):
     assert svc.cameras() == []
 
 
-def test_a_camera_error_never_reports_what_an_internal_target_answered(service):
+def test_a_camera_error_never_reports_what_an_internal_target_answered(service, tmp_path):
     """The operator allowed loopback; a camera pointed at a port that speaks something else
     (Redis, SSH, an admin page) reports only the kind of failure."""
     banner = b"-ERR secret-banner-7f3a unknown command\r\nHTTP/1.1 200 OK\r\nContent-Type: text/x-secret-7f3a\r\n\r\n"
@@ -185,6 +185,9 @@ def test_a_camera_error_never_reports_what_an_internal_target_answered(service):
         assert "7f3a" in internal  # the service itself knew (and logged) what answered...
         assert "7f3a" not in client.get("/cameras").text  # ...the API does not say it
         assert seen["banner"] == "not a video stream" and seen["refused"] == "connection refused", seen
+        svc.close()  # its records are all written
+        records = (tmp_path / "records0.jsonl").read_text()
+        assert '"camera": "banner"' in records and "7f3a" not in records  # nor do its records
     finally:
         stop.set()
         listener.close()

@@ -671,6 +671,13 @@ class CameraService:
         """A reader's report that its camera went down (its thread); it retries by itself."""
         error = redact(frame.error)
         log.warning("camera %s down, retrying with backoff: %s", cam.camera_id, error)
+        if cam.reader.dial is not None:
+            # A camera a remote caller added: its record says the kind of failure, not what the
+            # target answered (a Redis banner, an admin page's headers), as GET /cameras does;
+            # the log above keeps the whole text. A .streams camera is the operator's own.
+            from workers.cameras_security import public_error
+
+            error = public_error(error)
         self._queue(_Result(cam, None, None, None, error, None, time.time()))
 
     # ---- publisher thread -------------------------------------------------------------------
