@@ -20,6 +20,7 @@ import asyncio
 import base64
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 
 from server.protocol import APIError, Generation
 
+log = logging.getLogger("tandem.serve")
 MODELS_TTL_S = 1.0  # how long the list of served models (read from Redis) is reused
 
 
@@ -63,7 +65,13 @@ class JobStream:
                 return
 
     async def usage(self) -> dict:
-        result = await self.backend.result(self.id, owner=self.owner)
+        from redis.exceptions import RedisError
+
+        try:
+            result = await self.backend.result(self.id, owner=self.owner)
+        except (RedisError, OSError) as exc:  # Redis gone past reconnect_s: the tokens were all sent
+            log.warning("job %s: no usage for its last chunk, Redis unreachable: %s", self.id, exc)
+            return {}
         return (result or {}).get("usage") or {}
 
     async def cancel(self) -> None:
@@ -264,14 +272,38 @@ class JobsBackend:
         return await self.redis.hget(job_key(job_id), "state")
 
     async def result(self, job_id: str, owner: str | None = None) -> dict | None:
+        """The job's final result, or None. A lost connection to Redis (a restart) is retried
+        for settings.reconnect_s, as read_events does: a stream that has delivered every token
+        must not break at its last read (the usage chunk) because Redis is coming back."""
         from workers.store import end_key
 
-        if owner is not None and not await self.visible(job_id, owner):
-            return None
-        final = await self.redis.xrange(end_key(job_id), count=1)
-        if not final or not final[0][1].get("result"):
-            return None
-        return json.loads(final[0][1]["result"])
+        async def read() -> dict | None:
+            if owner is not None and not await self.visible(job_id, owner):
+                return None
+            final = await self.redis.xrange(end_key(job_id), count=1)
+            if not final or not final[0][1].get("result"):
+                return None
+            return json.loads(final[0][1]["result"])
+
+        return await self._through_outage(read)
+
+    async def _through_outage(self, read):
+        """`await read()`, retried with backoff while Redis is unreachable, for up to
+        settings.reconnect_s; past that the last error is raised."""
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
+        delay, until = 0.05, None
+        while True:
+            try:
+                return await read()
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                now = time.monotonic()
+                until = until or now + self.settings.reconnect_s
+                if now + delay >= until:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     async def cancel(self, job_id: str, owner: str | None = None) -> str:
         """ "cancelled", "cancelling" (running: it stops within a step), a final state, or

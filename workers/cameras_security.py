@@ -4,6 +4,8 @@ API is neither open to a browser page nor a port scanner of what the service can
 
 from __future__ import annotations
 
+import re
+
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 KEY_COOKIE = "tandem_streams_key"
 
@@ -61,6 +63,9 @@ def public_error(text: str | None) -> str | None:
     if text is None:
         return None
     low = text.split("): ", 1)[-1].lower()  # past "camera ID (URL): ": the URL is the caller's own text
+    limit = re.search(r"over the limit of ([0-9.]+ mpx) \(max_image_pixels\)", low)
+    if limit:  # the operator's own limit is no answer of the target's: name it (not the frame's size)
+        return f"frame too large: over the limit of {limit[1].replace('mpx', 'Mpx')} (max_image_pixels)"
     for needle, label in (
         ("valueerror: url", "refused by the URL policy"),
         ("timed out", "timed out"),
