@@ -345,19 +345,12 @@ TARGET = 1.5  # issue 21: Tandem at least 1.5x the best peer
 
 
 def cpu_flags() -> str:
-    """The CPU model and the SIMD flags that decide these figures (AVX2, AVX-512, AMX)."""
-    model, flags = "", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    keep = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "vnni")) or f in ("f16c",))
-    return f"{model or 'unknown CPU'}, {os.cpu_count()} cores: {' '.join(keep)}"
+    """The CPU model and the flags that decide these figures (AVX2, AVX-512 and its bfloat16 and
+    VNNI extensions, AMX), as benchmarks.common.cpu_info reads them for every bench."""
+    from benchmarks.common import cpu_info
+
+    info = cpu_info()
+    return f"{info['model']}, {info['cores']} cores: {info['flags']}"
 
 
 def _run_all(engine, paths: list[str], window: int = 128) -> None:
