@@ -214,9 +214,7 @@ class JobsBackend:
         Redis (a restart) is retried from the last id seen, until `deadline` (time.monotonic();
         None: settings.reconnect_s from the loss); past it the stream ends with a "failed" event
         that names the job, whose result GET /v1/jobs/{id} gives once Redis is back."""
-        from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import TimeoutError as RedisTimeoutError
-
+        from workers.retry import Backoff
         from workers.store import events_key
 
         if owner is not None and not await self.visible(job_id, owner):
@@ -224,8 +222,7 @@ class JobsBackend:
         key = events_key(job_id)
         last = after or "0-0"
         block: int | None = None  # the first read never blocks: a finished job needs no wait
-        lost_at: float | None = None
-        delay = 0.05
+        backoff = Backoff(0.05, budget_s=self.settings.reconnect_s, until=deadline)
         while True:
             try:
                 reply = await self.redis.xread({key: last}, count=512, block=block)
@@ -238,17 +235,14 @@ class JobsBackend:
                     ended = state in ("done", "failed", "cancelled") and not await self.redis.xread(
                         {key: last}, count=1
                     )
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                now = time.monotonic()
-                lost_at = lost_at or now
-                until = deadline if deadline is not None else lost_at + self.settings.reconnect_s
-                if now + delay >= until:
+            except _redis_lost() as exc:
+                delay = backoff.next_s()
+                if delay is None:
                     yield last, lost_stream_event(job_id, exc)
                     return
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
                 continue
-            lost_at, delay = None, 0.05
+            backoff.reset()
             for event_id, fields in entries:
                 last = event_id
                 event = _event(fields)
@@ -290,20 +284,9 @@ class JobsBackend:
     async def _through_outage(self, read):
         """`await read()`, retried with backoff while Redis is unreachable, for up to
         settings.reconnect_s; past that the last error is raised."""
-        from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import TimeoutError as RedisTimeoutError
+        from workers.retry import Backoff, retry_async
 
-        delay, until = 0.05, None
-        while True:
-            try:
-                return await read()
-            except (RedisConnectionError, RedisTimeoutError, OSError):
-                now = time.monotonic()
-                until = until or now + self.settings.reconnect_s
-                if now + delay >= until:
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
+        return await retry_async(read, Backoff(0.05, budget_s=self.settings.reconnect_s), _redis_lost())
 
     async def cancel(self, job_id: str, owner: str | None = None) -> str:
         """ "cancelled", "cancelling" (running: it stops within a step), a final state, or
@@ -390,6 +373,15 @@ def _event(fields: dict) -> dict:
         if fields.get(name):
             event[name] = int(fields[name])
     return event
+
+
+def _redis_lost() -> tuple[type[BaseException], ...]:
+    """What a read raises while Redis restarts or is unreachable (imported on first use, as this
+    module imports workers and redis: only a jobs backend needs them)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    return (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 def lost_stream_event(job_id: str, exc: BaseException) -> dict:

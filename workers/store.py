@@ -19,6 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from workers import lua
 from workers.message import broker_list, broker_lists, task_message
+from workers.retry import Backoff, retry
 from workers.settings import JobSettings
 
 log = logging.getLogger("tandem.jobs")
@@ -147,17 +148,15 @@ class JobStore:
     def retrying(self, fn: Callable[[], T], what: str) -> T:
         """Run `fn`, retrying while Redis is unreachable or still loading its append-only file,
         for up to `settings.reconnect_s`."""
-        deadline = time.monotonic() + self.settings.reconnect_s
-        delay = 0.02
-        while True:
-            try:
-                return fn()
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning("redis unavailable during %s (%s); retrying", what, exc)
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+        # reconnect_s counts from the call (the server's reads count from the first failure),
+        # so a first try that hung for its socket timeout has spent that much of it.
+        backoff = Backoff(0.02, until=time.monotonic() + self.settings.reconnect_s)
+        return retry(
+            fn,
+            backoff,
+            (RedisConnectionError, RedisTimeoutError),
+            lambda exc: log.warning("redis unavailable during %s (%s); retrying", what, exc),
+        )
 
     def close(self) -> None:
         self.redis.close()
