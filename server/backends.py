@@ -109,12 +109,12 @@ class JobsBackend:
     # ---- what the fleet serves --------------------------------------------------------------
 
     async def payloads(self) -> list[dict]:
-        from runtime import metrics
+        from workers.fleet_metrics import METRICS_INDEX, METRICS_KEY
 
-        instances = await self.redis.zrange(metrics.METRICS_INDEX, 0, -1)
+        instances = await self.redis.zrange(METRICS_INDEX, 0, -1)
         if not instances:
             return []
-        bodies = await self.redis.mget([metrics.METRICS_KEY + i for i in instances])
+        bodies = await self.redis.mget([METRICS_KEY + i for i in instances])
         return [json.loads(b) for b in bodies if b]
 
     async def workers(self) -> list[dict]:

@@ -12,7 +12,7 @@ import sys
 from runtime.llm.flags import add_llm_arguments
 from runtime.vision.cli import add_detect_arguments
 from server.cli import add_serve_arguments  # TEMP until the move
-from workers.cameras_http import add_streams_arguments
+from tandem.streams_cli import add_streams_arguments
 from workers.worker import add_worker_arguments
 
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_worker(args)
     if args.command == "streams":
-        from workers.cameras_http import run_streams
+        from tandem.streams_cli import run_streams
 
         return run_streams(args)
     if args.command == "serve":

@@ -13,7 +13,7 @@ import threading
 import pytest
 from camera_helpers import FAST, POLICY, SAFETY_S, VISION, Lines
 
-from runtime import metrics
+from server.metrics import render
 from sources.loopback import MjpegServer, dead_url, synthetic_frames
 from sources.stream_reader import StreamConfig
 from workers.cameras import CameraService
@@ -80,7 +80,7 @@ def test_a_group_holds_a_frame_of_every_live_camera_and_never_waits_for_a_dead_o
     assert count(records, "slow") >= 1  # the slow camera's frames still go, in whatever group is open
 
     # Batch size and window are in /metrics.
-    page = metrics.render([{**payload, "instance": "mux"}]).decode()
+    page = render([{**payload, "instance": "mux"}]).decode()
     assert 'tandem:camera_mux_window_seconds{tandem_instance="mux"}' in page
     assert 'tandem:camera_mux_batch_size_bucket{le="2.0",tandem_instance="mux"}' in page
     assert 'tandem:camera_batch_size_mean{camera="a",tandem_instance="mux"}' in page

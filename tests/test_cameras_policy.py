@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from camera_helpers import FAST, POLICY, VISION, Lines, frames_of
 
-from runtime import metrics
+from server.metrics import render
 from sources.loopback import MjpegServer, dead_url, synthetic_frames
 from workers.cameras import CameraError, CameraService
 
@@ -50,7 +50,7 @@ def test_freshest_under_a_rate_cap_drops_the_waiting_frames_as_rate_cap(runtime,
     assert row["drops_by_reason"].get("rate_cap", 0) > 0, row["drops_by_reason"]
     assert "queue_full" not in row["drops_by_reason"] and "stale" not in row["drops_by_reason"]
     assert row["drops"] == sum(row["drops_by_reason"].values())
-    page = metrics.render([{**payload, "instance": "pol"}]).decode()
+    page = render([{**payload, "instance": "pol"}]).decode()
     assert 'tandem:camera_frames_dropped_by_reason_total{camera="cam",reason="rate_cap",tandem_instance="pol"}' in page
 
 

@@ -1,5 +1,5 @@
 """deploy/grafana/tandem.json: it loads, its panel ids are unique, and every metric its PromQL
-names is a series that `tandem serve`'s /metrics really serves: runtime.metrics.render on a
+names is a series that `tandem serve`'s /metrics really serves: server.metrics.render on a
 worker's and a camera service's payloads, parsed back by prometheus_client."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def served_series() -> set[str]:
     """Every sample name /metrics serves for one worker (LLM and vision) and one camera service."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from runtime.metrics import GAUGES, ServingMetrics, render
+    from runtime.metrics import GAUGES, ServingMetrics
+    from server.metrics import render
 
     m = ServingMetrics()
     m.observe_vision_batch(2, [0.01, 0.02])

@@ -544,8 +544,8 @@ def test_the_camera_service_refuses_a_bomb_frame_at_its_runtimes_limit(jpeg_bomb
 def test_tandem_streams_max_image_pixels_reaches_the_runtime_and_the_readers():
     import argparse
 
+    from tandem.streams_cli import _plan, add_streams_arguments
     from workers.cameras import CameraService
-    from workers.cameras_http import _plan, add_streams_arguments
 
     parser = argparse.ArgumentParser()
     add_streams_arguments(parser)

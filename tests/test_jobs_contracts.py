@@ -194,8 +194,8 @@ def test_a_stream_outlives_a_redis_restart_and_ends_naming_the_job_past_its_dead
 def test_health_is_503_until_a_live_worker_serves_and_names_what_each_serves(redis_server, store):
     from fastapi.testclient import TestClient
 
-    from runtime import metrics
     from server.app import create_app
+    from workers import fleet_metrics
 
     backend = JobsBackend(JobSettings(redis_url=redis_server.url))
     with TestClient(create_app(backend)) as client:
@@ -203,7 +203,7 @@ def test_health_is_503_until_a_live_worker_serves_and_names_what_each_serves(red
         assert empty.status_code == 503 and empty.json()["error"] == "no live worker"  # a balancer sends nothing here
         # What a worker publishes at every heartbeat (host._publish_metrics), here with a short life.
         payload = {"kind": "runtime", "serves": ["llm"], "models": [{"name": "smol", "max_model_len": 512}]}
-        metrics.publish(store.redis, "w1", {**payload, "metrics": {}}, ttl_s=1.5)
+        fleet_metrics.publish(store.redis, "w1", {**payload, "metrics": {}}, ttl_s=1.5)
         up = wait_for(lambda: (lambda r: r.status_code == 200 and r)(client.get("/health")), 5, "/health to turn 200")
         assert up.status_code == 200 and up.json()["models"] == {"smol": 1} and up.json()["llm"] == 1
         assert client.get("/health", params={"model": "smol"}).status_code == 200

@@ -11,6 +11,7 @@ the modules a package's lazy exports name):
 Each package imports only packages on floors below its own. benchmarks/ stands beside the
 house: it may import any floor, and no floor imports it. No two modules import each other,
 directly or round a circle. schedulers/ never imports torch (nor numpy): it is policy only.
+runtime/ never imports prometheus_client or redis: the server renders, the workers publish.
 """
 
 from __future__ import annotations
@@ -145,15 +146,37 @@ def test_there_are_no_import_circles():
     assert not circles, f"modules that import each other: {circles}"
 
 
-@pytest.mark.parametrize("package", ["schedulers"])
-def test_schedulers_import_no_torch_or_numpy_anywhere(package):
+# Libraries a package keeps out of every import: schedulers/ is policy only (no torch, no
+# numpy); runtime/ keeps its counters in process, and leaves Prometheus text to server/ and Redis
+# to workers/, so an engine never waits on a scrape or a network round trip.
+BANNED = {"schedulers": ("torch", "numpy", "triton"), "runtime": ("prometheus_client", "redis")}
+
+
+def _banned_imports(package: str, paths: list[Path] | None = None) -> list[str]:
+    paths = sorted((ROOT / package).rglob("*.py")) if paths is None else paths
     found = [
-        f"{p.relative_to(ROOT)}:{line} imports {name}"
-        for p in (ROOT / package).rglob("*.py")
+        f"{_rel(p)}:{line} imports {name.split('.')[0]}"
+        for p in paths
         for line, name in _imports(p)
-        if name.split(".")[0] in ("torch", "numpy", "triton")
+        if name.split(".")[0] in BANNED[package]
     ]
+    return list(dict.fromkeys(found))
+
+
+@pytest.mark.parametrize("package", sorted(BANNED))
+def test_a_package_imports_none_of_its_banned_libraries(package):
+    found = _banned_imports(package)
     assert not found, "\n".join(found)
+
+
+def test_the_library_check_sees_redis_and_prometheus_in_runtime(tmp_path):
+    """The check can fail on both halves, also for an import inside a function (runtime/ never
+    imported redis itself: it was handed a client, which this check cannot see)."""
+    fake = tmp_path / "_banned_probe.py"
+    fake.write_text(
+        "import json\n\n\ndef f():\n    from redis.exceptions import RedisError\n    import prometheus_client\n"
+    )
+    assert _banned_imports("runtime", [fake]) == [f"{fake}:5 imports redis", f"{fake}:6 imports prometheus_client"]
 
 
 def test_the_floor_check_sees_a_wrong_import(tmp_path):

@@ -12,12 +12,12 @@ import pytest
 from fastapi.testclient import TestClient
 from test_jobs_support import RedisServer, wait_for
 
-from runtime import metrics
 from server import protocol
 from server.app import create_app
 from server.backends import JobsBackend
 from server.common import ServeConfig
 from server.protocol import APIError
+from workers import fleet_metrics
 from workers.settings import JobSettings
 from workers.store import PREFIX, JobStore
 
@@ -154,7 +154,7 @@ def keyed(tmp_path):
     redis = RedisServer(tmp_path).start()
     store = JobStore(JobSettings(redis_url=redis.url))
     payload = {"kind": "runtime", "serves": ["llm"], "models": [{"name": "smol", "max_model_len": 512}]}
-    metrics.publish(store.redis, "w1", {**payload, "metrics": {}}, ttl_s=600)  # a worker that takes no job
+    fleet_metrics.publish(store.redis, "w1", {**payload, "metrics": {}}, ttl_s=600)  # a worker that takes no job
     backend = JobsBackend(JobSettings(redis_url=redis.url))
     config = ServeConfig(api_key="key-a, key-b", keepalive_s=0.2)
     try:

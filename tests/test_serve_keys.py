@@ -8,10 +8,10 @@ import pytest
 from fastapi.testclient import TestClient
 from test_jobs_support import RedisServer, wait_for
 
-from runtime import metrics
 from server.app import create_app
 from server.backends import JobsBackend
 from server.common import ServeConfig
+from workers import fleet_metrics
 from workers.settings import JobSettings
 from workers.store import JobStore
 
@@ -21,7 +21,7 @@ def client(tmp_path):
     redis = RedisServer(tmp_path).start()
     store = JobStore(JobSettings(redis_url=redis.url))
     payload = {"kind": "runtime", "serves": ["llm"], "models": [{"name": "smol", "max_model_len": 512}]}
-    metrics.publish(store.redis, "w1", {**payload, "metrics": {}}, ttl_s=600)
+    fleet_metrics.publish(store.redis, "w1", {**payload, "metrics": {}}, ttl_s=600)
     backend = JobsBackend(JobSettings(redis_url=redis.url))
     try:
         with TestClient(create_app(backend, ServeConfig(api_key="key-a, key-b"))) as c:

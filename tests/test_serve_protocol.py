@@ -1,5 +1,5 @@
 """OpenAI request checks and response shapes (server/protocol.py), and the Prometheus
-rendering of serving metrics (runtime/metrics.py): plain data, no server, no model."""
+rendering of serving metrics (runtime/metrics.py, server/metrics.py): plain data, no server, no model."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime import metrics
 from server import protocol
+from server.metrics import render
 from server.protocol import APIError
 
 
@@ -181,7 +182,7 @@ def test_metrics_render_as_prometheus_text_with_vllm_names():
         "instance": "cams",
         "cameras": [{"camera": "door", "up": 0, "state": "retrying", "fps": 0, "frames": 5, "drops": 2}],
     }
-    text = metrics.render([{"instance": "w1", "model_name": "m", "metrics": snap}, cams]).decode()
+    text = render([{"instance": "w1", "model_name": "m", "metrics": snap}, cams]).decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
 

@@ -15,10 +15,11 @@ import os
 import pytest
 from test_jobs_support import wait_for
 
+from server.streams_app import ControlServer, create_app
 from sources.loopback import MjpegServer, dead_url, synthetic_frames
 from sources.stream_reader import StreamConfig
 from workers.cameras import CameraService, camera_policy
-from workers.cameras_http import ControlServer, Security, create_app
+from workers.cameras_security import Security
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SAFETY_S = 60

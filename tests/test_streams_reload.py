@@ -174,7 +174,7 @@ def test_the_running_service_follows_edits_and_sighup(tmp_path):
     )
     log = tmp_path / "streams.log"
     with open(log, "w") as err:
-        command = [sys.executable, "-m", "workers.cameras_http", *args.split()]
+        command = [sys.executable, "-m", "tandem.streams_cli", *args.split()]
         proc = subprocess.Popen(command, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=err)
     try:
         lines: list[str] = []

@@ -16,10 +16,12 @@ import pytest
 from fastapi.testclient import TestClient
 from test_jobs_support import wait_for
 
+from server.streams_app import create_app
 from sources.loopback import dead_url
 from sources.stream_reader import StreamConfig
+from tandem.streams_cli import main
 from workers.cameras import CameraService, camera_policy
-from workers.cameras_http import KEY_COOKIE, Security, create_app, main
+from workers.cameras_security import KEY_COOKIE, Security
 
 SAFETY_S = 30
 FAST = StreamConfig(open_timeout_s=0.5, read_timeout_s=0.5, stall_after_s=0.5, backoff_initial_s=0.1, backoff_max_s=0.4)

@@ -20,11 +20,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from test_jobs_support import REPO, RedisServer, wait_for
 
-from runtime import metrics
+from server.metrics import render
+from server.streams_app import create_app
 from sources.loopback import MjpegServer, dead_url, synthetic_frames
 from sources.stream_reader import StreamConfig
+from tandem.streams_cli import main
+from workers import fleet_metrics
 from workers.cameras import CONTROL_KEY, STREAM_KEY, CameraError, CameraService, camera_policy
-from workers.cameras_http import create_app, main
 from workers.store import connect
 
 SAFETY_S = 30
@@ -165,15 +167,15 @@ def test_live_cameras_deliver_to_redis_while_dead_and_stalled_ones_are_retried(r
 
     # `tandem serve` (another process) sees the same cameras through the payload in Redis.
     def published():
-        mine = [p for p in metrics.gather(r) if p["instance"] == "svc-main"]
+        mine = [p for p in fleet_metrics.gather(r) if p["instance"] == "svc-main"]
         up = mine and {c["camera"]: c["up"] for c in mine[0]["cameras"]}
         return up == {"a": 1, "b": 1, "dead": 0, "stalled": 0} and mine[0]
 
     payload = wait_for(published, SAFETY_S, "the service's payload in Redis")
     assert payload["kind"] == "cameras" and payload["metrics"]["counters"]["vision_images"] > 0
-    assert b'tandem:camera_up{camera="dead"' in metrics.render([payload])
+    assert b'tandem:camera_up{camera="dead"' in render([payload])
     service.close()
-    assert not [p for p in metrics.gather(r) if p["instance"] == "svc-main"], "close() withdraws the payload"
+    assert not [p for p in fleet_metrics.gather(r) if p["instance"] == "svc-main"], "close() withdraws the payload"
 
 
 def test_maxlen_bounds_each_camera_stream(r, make_service, cams):
@@ -427,7 +429,7 @@ def test_cli_serves_a_streams_file_for_its_duration(r, redis_server, cams, tmp_p
     out = tmp_path / "records.jsonl"
     args = f"{streams} --redis-url {redis_server.url} --port 0 --duration 5 --imgsz 160 --conf 0 --no-profile "
     args += f"--max-fps 10 --jsonl {out} --instance cli-test --no-auth"
-    command = [sys.executable, "-m", "workers.cameras_http", *args.split()]
+    command = [sys.executable, "-m", "tandem.streams_cli", *args.split()]
     log = tmp_path / "streams.log"  # a file, not a pipe nobody reads while waiting: no deadlock on a full pipe
     with open(log, "w") as err:
         proc = subprocess.Popen(command, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=err)
@@ -454,7 +456,7 @@ def test_cli_serves_a_streams_file_for_its_duration(r, redis_server, cams, tmp_p
         # --max-fps 10: each frame went to the detector between its capture and its result.
         assert len(records) <= 10 * (records[-1]["finished_at"] - records[0]["captured_at"]) + 1
     assert _records(r, "cam2")[0]["error"]
-    assert not [p for p in metrics.gather(r) if p["instance"] == "cli-test"], "the payload is withdrawn at exit"
+    assert not [p for p in fleet_metrics.gather(r) if p["instance"] == "cli-test"], "the payload is withdrawn at exit"
 
 
 def test_cli_stops_cleanly_on_sigint(redis_server, r, cams, capsys):

@@ -96,13 +96,14 @@ def test_vision_series_carry_the_detector_name_and_llm_series_the_llm_name():
     from prometheus_client.parser import text_string_to_metric_families
 
     from runtime import metrics
+    from server.metrics import render
 
     m = metrics.ServingMetrics()
     m.observe_vision_batch(2, [0.01, 0.02])
     snap = m.snapshot({"num_requests_running": 1, "vision_queue_depth": 3})
     both = {"instance": "w1", "serves": ["llm", "vision"], "model_name": "smol", "vision_model_name": "yolo"}
     vision_only = {"instance": "w2", "serves": ["vision"], "vision_model_name": "yolo"}
-    text = metrics.render([{**both, "metrics": snap}, {**vision_only, "metrics": snap}]).decode()
+    text = render([{**both, "metrics": snap}, {**vision_only, "metrics": snap}]).decode()
     seen = set()
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

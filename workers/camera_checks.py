@@ -1,6 +1,6 @@
 """What a camera command may hold, checked before the camera service acts on it: ids, rates,
 per-camera options and stream URLs, each refusal a CameraError naming its field. Shared by
-CameraService (workers/cameras.py), its HTTP control (cameras_http.py) and the `.streams`
+CameraService (workers/cameras.py), its HTTP control (server/streams_app.py) and the `.streams`
 file (streams_file.py), so the three take the same names with the same rules."""
 
 from __future__ import annotations

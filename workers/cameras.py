@@ -22,7 +22,7 @@ being retried; the others go on. Every dropped frame is counted with its reason 
 Redis keys (`instance` names this process; camera ids are [A-Za-z0-9._-]{1,64}):
 
     tandem:cameras:{camera}                  stream, MAXLEN ~ maxlen; field "data" = one record
-    tandem:metrics:{instance}                this service's /metrics payload (runtime/metrics.py)
+    tandem:metrics:{instance}                this service's /metrics payload (workers/fleet_metrics.py)
     tandem:control:cameras:{instance}        list: JSON commands {"op": "add"|"remove", ...}
     tandem:control:cameras:{instance}:reply:{id}   list: the answer to the command with "id"
 
@@ -385,7 +385,7 @@ class CameraService:
         return row
 
     def cameras(self) -> list[dict]:
-        """One row per camera, as runtime/metrics.py's camera families read them."""
+        """One row per camera, as server/metrics.py's camera families read them."""
         now = time.monotonic()
         with self._cond:
             return [self._row(c, now) for c in self._cameras.values()]
@@ -476,10 +476,10 @@ class CameraService:
         if self.redis is not None:
             from redis.exceptions import RedisError
 
-            from runtime import metrics
+            from workers import fleet_metrics
 
             try:
-                metrics.withdraw(self.redis, self.instance)
+                fleet_metrics.withdraw(self.redis, self.instance)
             except RedisError as exc:  # it expires by itself
                 log.warning("could not withdraw metrics of %s: %s", self.instance, exc)
 
@@ -776,10 +776,10 @@ class CameraService:
     def _heartbeat(self) -> None:
         from redis.exceptions import RedisError
 
-        from runtime import metrics
+        from workers import fleet_metrics
 
         try:  # kept for a few beats: a scrape never misses a live service
-            metrics.publish(self.redis, self.instance, self.payload(), ttl_s=3 * self.publish_interval_s + 1)
+            fleet_metrics.publish(self.redis, self.instance, self.payload(), ttl_s=3 * self.publish_interval_s + 1)
         except RedisError as exc:
             self._count("publish_errors")
             log.warning("could not publish metrics to Redis: %s", exc)

@@ -1,5 +1,5 @@
 """What the detector sees: an annotated MJPEG stream per camera and one HTML page of them all,
-for `tandem streams` (workers/cameras_http.py mounts them behind its API key and Host check).
+for `tandem streams` (server/streams_app.py mounts them behind its API key and Host check).
 
     GET /cameras/{id}/view   multipart/x-mixed-replace JPEGs of service.latest(id), boxes drawn
     GET /                    every camera's live view, health, fps, drops and latency

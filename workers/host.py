@@ -26,7 +26,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from runtime import metrics
+from runtime.metrics import runtime_payload
+from workers import fleet_metrics
 from workers.settings import JobSettings
 from workers.store import CANCEL_CHANNEL, Claim, JobStore
 from workers.writer import EventWriter
@@ -178,7 +179,7 @@ class WorkerHost:
         if self.writer is not None:
             self.writer.close()
         try:
-            metrics.withdraw(self.store.redis, self.worker_id)
+            fleet_metrics.withdraw(self.store.redis, self.worker_id)
             if not self.active:
                 self.store.release(self.worker_id)  # nothing left: no need to wait out the lease
         except Exception:  # noqa: BLE001 - Redis gone: the lease expires by itself
@@ -254,7 +255,7 @@ class WorkerHost:
         )
         self._stop.set()
         try:
-            metrics.withdraw(self.store.redis, self.worker_id)
+            fleet_metrics.withdraw(self.store.redis, self.worker_id)
             self.store.release(self.worker_id)
         except Exception:  # noqa: BLE001 - Redis away: the lease expires by itself
             pass
@@ -290,17 +291,17 @@ class WorkerHost:
                 connected_since = None
 
     def metrics_payload(self) -> dict | None:
-        """What `tandem serve` scrapes for this worker (runtime/metrics.py): its model, what it
+        """What `tandem serve` scrapes for this worker (workers/fleet_metrics.py): its model, what it
         serves, and its Runtime's metrics."""
         rt = self.runtime
         if rt is None:
             return None
-        return {**metrics.runtime_payload(rt, self.model_name), "worker": self.worker_id}
+        return {**runtime_payload(rt, self.model_name), "worker": self.worker_id}
 
     def _publish_metrics(self) -> None:
         payload = self.metrics_payload()
         if payload is not None:  # kept a little past the lease: a scrape never misses a live worker
-            metrics.publish(
+            fleet_metrics.publish(
                 self.store.redis, self.worker_id, payload, self.settings.lease_s + self.settings.heartbeat_s
             )
 

@@ -57,7 +57,7 @@ async def health(request: Request, model: str | None = None) -> Response:
 
 @router.get("/metrics", dependencies=[Depends(require_api_key)])
 async def metrics(request: Request) -> Response:
-    from runtime.metrics import render
+    from server.metrics import render
 
     payloads = await context(request).backend.payloads()
     return Response(render(payloads), media_type="text/plain; version=0.0.4; charset=utf-8")

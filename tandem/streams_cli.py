@@ -1,33 +1,12 @@
 """`tandem streams SOURCE`: the camera service (workers/cameras.py) as a process, with its HTTP
-control.
+control (server/streams_app.py, which documents the endpoints and the API key).
 
     tandem streams cams.streams --max-fps 5 --jsonl -        # Redis at $TANDEM_REDIS_URL
-    python -m workers.cameras_http rtsp://10.0.0.7/live --port 0 --duration 60
+    python -m tandem.streams_cli rtsp://10.0.0.7/live --port 0 --duration 60
 
-HTTP (default 127.0.0.1:8100). With --api-key (or $TANDEM_STREAMS_API_KEY) every endpoint but
-/health wants "Authorization: Bearer KEY"; the page takes the key once as /?key=KEY, which sets
-it as an HttpOnly, SameSite=Strict cookie the page's views and fetches then carry. Without a
-key it does not start, unless --no-auth on a loopback --host. A Host header naming anything but --host
-(and localhost, 127.0.0.1, [::1] on loopback, and --allowed-hosts) is refused with 421, and a
-body that is not Content-Type application/json with 415: so a web page the user opens can
-neither post to the service nor reach it through DNS rebinding.
-
-    GET    /                    the page: every camera's live view, health, fps, drops, latency
-    GET    /cameras             {"cameras": [row, ...]}
-    GET    /cameras/{id}/view   annotated MJPEG (multipart/x-mixed-replace) at most --view-fps
-    POST   /cameras             {"camera": id, "url": stream URL, "max_fps"?, "policy"?, "queue"?,
-                                 "max_staleness_ms"?, "motion_threshold"?, "tracker"?} -> 201 {"camera": row}
-    DELETE /cameras/{id}        {"camera": row}
-    GET    /metrics             Prometheus text: every camera's up/state, fps, frames, drops, ...
-    GET    /health              {"status": "ok" | "failing", ...}; 503 once the Runtime refuses frames
-
-Errors are serve's (OpenAI's) shape {"error": {"message", "type", "param", "code"}}: 400 bad
-input, 401 no or a wrong key, 404 unknown camera, 409 an id in use or no room for another
-camera, 415 not JSON, 421 a Host this service is not. Cameras added over HTTP (or the Redis
-control list) must be network stream URLs on public addresses (private and loopback ones need
---allow-private-urls or --allowed-url-networks); the SOURCE may also list local videos and
-webcams. A camera's last_error over HTTP is a class ("connection refused", "timed out", "not a
-video stream", ...), never what the target answered; the log has the full text.
+The SOURCE may list local videos and webcams besides stream URLs; cameras added later over HTTP
+or the Redis control list must be network stream URLs on public addresses (private and
+loopback ones need --allow-private-urls or --allowed-url-networks).
 
 A .streams SOURCE is reloaded when it changes (checked every --reload-interval s) or at SIGHUP:
 cameras added, removed or changed without a restart (workers/streams_file.py has the syntax).
@@ -36,214 +15,23 @@ Exit codes: 0 stopped (SIGINT, SIGTERM or --duration), 1 the service failed (Red
 at start, the Runtime broke), 2 bad arguments or input.
 """
 
+from __future__ import annotations
+
 import argparse
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 
 from runtime.vision.detector import WEIGHTS, default_imgsz  # pathlib only
 from runtime.vision.flags import add_backend_argument, add_max_image_pixels_argument, max_image_pixels_option
-from workers.cameras_security import KEY_COOKIE, Security, is_loopback, public_row
+from server.streams_app import ControlServer, create_app  # FastAPI and uvicorn load when they start
+from workers.cameras_security import Security, is_loopback
 
-# Nothing heavy at import: runtime/cli.py builds its parser from add_streams_arguments. (And no
-# `from __future__ import annotations`: FastAPI must see the endpoints' annotations as objects.)
+# Nothing heavy at import: tandem/cli.py builds its parser from add_streams_arguments.
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-MAX_BODY = 64 * 1024
-
-
-_JSON_METHODS = ("POST", "PUT", "PATCH")
-
-
-def _error(status: int, message: str, param: str | None = None, type_: str | None = None, headers=None):
-    """serve's error shape (workers/http_errors.APIError): {"error": {"message", "type",
-    "param", "code"}}, so one client handles both services' errors."""
-    from fastapi.responses import JSONResponse
-
-    from workers.http_errors import APIError
-
-    types = {401: "authentication_error", 409: "conflict_error", 415: "invalid_request_error"}
-    err = APIError(status, message, param, type_ or types.get(status), headers)
-    return JSONResponse(err.body(), status_code=status, headers=err.headers)
-
-
-def create_app(service, security: Security | None = None, stop: threading.Event | None = None, view_fps=None):
-    """The HTTP control of a workers.cameras.CameraService, its views (workers/cameras_views.py)
-    and, with `security`, the API key and Host checks (run_streams always passes one; None is for
-    embedding behind another guard). JSON bodies need Content-Type application/json either way."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
-
-    from workers import cameras_views as views
-    from workers.cameras import CameraConflict, CameraError, CameraNotFound, json_object
-
-    app = FastAPI(title="tandem streams", docs_url=None, redoc_url=None, openapi_url=None)
-    stop = stop or threading.Event()
-    viewers = views.Viewers()
-    fps = view_fps or views.DEFAULT_VIEW_FPS
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if security is not None:
-            local = request.scope.get("server")
-            if not security.host_ok(request.headers.get("host"), local[0] if local else None):
-                # Another name than this service's: a DNS-rebinding page, or a proxy's mistake.
-                return _error(
-                    421,
-                    "this service does not answer to that Host (see --allowed-hosts)",
-                    "host",
-                    "invalid_request_error",
-                )
-            path = request.url.path
-            login = path == "/" and "key" in request.query_params
-            if path != "/health" and not login and not security.key_ok(request):
-                return _error(
-                    401,
-                    "missing or invalid API key: send 'Authorization: Bearer <key>' (the page: open /?key=<key> once)",
-                    None,
-                    None,
-                    {"WWW-Authenticate": "Bearer"},
-                )
-        if request.method in _JSON_METHODS:
-            ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-            if ctype != "application/json":
-                # A browser page may send text/plain cross-origin without asking; JSON needs a preflight.
-                return _error(415, f"Content-Type must be application/json, got {ctype or 'none'!r}", "content-type")
-        return await call_next(request)
-
-    @app.exception_handler(CameraError)
-    async def camera_error(_request, exc: CameraError):
-        status = 404 if isinstance(exc, CameraNotFound) else 409 if isinstance(exc, CameraConflict) else 400
-        return _error(status, str(exc), exc.field)
-
-    @app.exception_handler(RuntimeError)
-    async def closed(_request, exc: RuntimeError):
-        return _error(503, str(exc))
-
-    @app.get("/")
-    def index(request: Request):
-        key = request.query_params.get("key")
-        if key is not None and security is not None and security.api_keys:
-            if not security.key_ok(_KeyRequest(key)):
-                return _error(401, "invalid API key", "key", None, {"WWW-Authenticate": "Bearer"})
-            # The key moves to an HttpOnly cookie (the page's script cannot read it; SameSite=
-            # Strict: no other site's page sends it), and out of the address bar.
-            resp = RedirectResponse("./", status_code=303)
-            resp.set_cookie(KEY_COOKIE, key, httponly=True, samesite="strict", path="/")
-            return resp
-        return HTMLResponse(views.page(service.instance), headers={"Cache-Control": "no-store"})
-
-    @app.get("/cameras")
-    def list_cameras():
-        return {"cameras": [public_row(r) for r in service.cameras()]}
-
-    @app.get("/cameras/{camera_id}/view")
-    def view(camera_id: str):
-        if camera_id not in {c["camera"] for c in service.cameras()}:
-            raise CameraNotFound("camera", f"no camera {camera_id!r} (GET /cameras lists them)")
-        if not viewers.acquire():
-            return _error(429, f"{viewers.limit} views are open already", "camera", "rate_limit_error")
-        return StreamingResponse(
-            views.mjpeg(service, camera_id, fps, stop, viewers),
-            media_type=f"multipart/x-mixed-replace; boundary={views.BOUNDARY}",
-            headers={"Cache-Control": "no-store"},
-        )
-
-    @app.post("/cameras", status_code=201)
-    async def add_camera(request: Request):
-        body = await request.body()
-        if len(body) > MAX_BODY:
-            raise CameraError("body", f"the body must be a JSON object under {MAX_BODY} bytes")
-        cmd = json_object(body, "body", 'the body must be a JSON object {"camera", "url", "max_fps"?}')
-        if "op" in cmd:
-            raise CameraError("op", "op is for the Redis control list; POST adds, DELETE removes")
-        return {"camera": public_row(service.apply({**cmd, "op": "add"}))}
-
-    @app.delete("/cameras/{camera_id}")
-    def remove_camera(camera_id: str):
-        return {"camera": public_row(service.remove(camera_id))}
-
-    @app.get("/metrics")
-    def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        from runtime.metrics import render
-
-        return Response(render([{**service.payload(), "instance": service.instance}]), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/health")
-    def health():
-        from fastapi.responses import JSONResponse
-
-        cams = service.cameras()
-        body = {
-            "status": "failing" if service.failure else "ok",
-            "failure": service.failure,
-            "instance": service.instance,
-            "cameras": len(cams),
-            "cameras_up": sum(c["up"] for c in cams),
-        }
-        return JSONResponse(body, status_code=503 if service.failure else 200)
-
-    return app
-
-
-class _KeyRequest:
-    """A key given as ?key= checked like a Bearer header."""
-
-    def __init__(self, key: str) -> None:
-        self.headers = {"authorization": f"Bearer {key}"}
-        self.cookies: dict = {}
-
-
-class ControlServer:
-    """uvicorn on its own thread, on a socket bound at construction: a port in use is an error
-    before the model loads, and port 0 is resolved to the one the kernel picked."""
-
-    def __init__(self, host: str, port: int) -> None:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, _, _, _, address = infos[0]
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.sock.bind(address)
-            self.sock.listen(128)
-        except OSError:
-            self.sock.close()
-            raise
-        bound = self.sock.getsockname()
-        self.url = f"http://{f'[{bound[0]}]' if family == socket.AF_INET6 else bound[0]}:{bound[1]}"
-        self._server = None
-        self._thread: threading.Thread | None = None
-        self.stop = threading.Event()  # ends the open views, so uvicorn's shutdown need not wait on them
-
-    def start(self, app, timeout: float = 30.0) -> None:
-        import uvicorn
-
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
-        # Off the main thread uvicorn leaves the signals alone: run_streams handles them.
-        run = lambda: self._server.run(sockets=[self.sock])  # noqa: E731
-        self._thread = threading.Thread(target=run, name="tandem-cameras-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the HTTP control did not start on {self.url}")
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        self.stop.set()
-        if self._server is not None:
-            self._server.should_exit = True
-            self._thread.join(10)
-        self.sock.close()
-
-
-# ---- the CLI ----------------------------------------------------------------------------------
 
 
 def add_streams_arguments(p: argparse.ArgumentParser) -> None:
@@ -450,13 +238,13 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
 
 def _device(device: str | None) -> str:
     """As the LLM's --device: cuda where there is one, else the CPU; a device this machine lacks
-    is an error naming the flag and what it has."""
+    is an error naming the flag and what it has (the LLM CLI's check: one rule for every
+    command's --device)."""
     from runtime.llm.cli import device_problem
+    from runtime.vision.cli import default_device
 
     if device is None:
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return default_device()
     problem = device_problem("--device", device)
     if problem:
         raise ValueError(problem)
