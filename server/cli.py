@@ -39,7 +39,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "per client, each seeing only its own jobs (default: $TANDEM_API_KEY; none: no check)",
     )
     p.add_argument(
-        "--keepalive", type=float, default=10.0, help="seconds between SSE keep-alive comments on a quiet stream"
+        "--keepalive", type=float, default=10.0, help="seconds between SSE keep-alives (a blank line) on a quiet stream"
     )
     p.add_argument(
         "--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive before 408"

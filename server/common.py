@@ -149,13 +149,18 @@ def owner_of(request: Request) -> str | None:
     return hashlib.sha256(b"tandem-owner:" + given.encode()).hexdigest()[:32]
 
 
-KEEPALIVE = b": keep-alive\n\n"
+# The keep-alive is a blank line, not an SSE comment (": keep-alive"). Both are valid SSE, but
+# readers that strip each network chunk before splitting on the blank line (`vllm bench serve`'s,
+# and many hand-written ones) keep a stripped comment in their buffer, where it merges with every
+# later event and none of them parses: a queued stream then read as empty. Whitespace strips to
+# nothing, so it cannot merge; and it still resets a client's read timeout, as the comment did.
+KEEPALIVE = b"\n\n"
 TICK = None  # what `ticking` yields when `interval` passed without an item
 
 
 async def ticking(items: AsyncIterator, interval: float, deadline: float | None = None) -> AsyncIterator:
     """The items of `items`, and TICK whenever `interval` seconds pass without one (the caller
-    sends an SSE keep-alive then); TimeoutError at `deadline`. The pending read is a task kept
+    sends KEEPALIVE then); TimeoutError at `deadline`. The pending read is a task kept
     across ticks: cancelling an async generator's __anext__ on each tick would end it."""
     pending: asyncio.Future | None = None
     try:

@@ -15,9 +15,11 @@ import time
 import httpx
 import pytest
 from bad_requests import CASES
+from sse_readers import data_lines, strip_then_split
 from test_jobs_support import RedisServer, WorkerProcess, tiny_worker_args, wait_for
 from test_serve import ServeProcess, sse
 
+from server.common import KEEPALIVE
 from workers.app import make_app
 from workers.settings import JobSettings
 
@@ -207,31 +209,41 @@ def _hold(server) -> str:
     return job
 
 
-def test_streams_send_keep_alives_while_a_job_waits(server):
+def test_a_queued_stream_sends_keep_alives_then_every_event_to_every_reader(server):
+    """A stream that waits in the queue past the keep-alive interval begins with keep-alives
+    (nothing else: the job waits), and once its job runs, each reader real clients use gets
+    every event: the specification's, `vllm bench serve`'s strip-then-split reader (which lost
+    a third of its streams to a leading ": keep-alive" comment) and a naive data-line reader."""
     holder = _hold(server)
+    released = False
     try:
         queued = httpx.post(server.url + "/v1/jobs", json={"prompt": "Wait", "max_tokens": 2}, timeout=10).json()
-        lines = []
+        raw = b""
         with httpx.stream("GET", f"{server.url}/v1/jobs/{queued['job_id']}/events", timeout=30) as r:
-            for line in r.iter_lines():
-                lines.append(line)
-                if lines.count(": keep-alive") >= 2:
+            for chunk in r.iter_raw():
+                raw += chunk
+                if raw.count(KEEPALIVE) >= 2:
                     break
-        assert lines[:2] == [": keep-alive", ""], lines  # nothing else came first: the job waits
+        assert raw == KEEPALIVE * 2, raw  # nothing else came first: the job waits
         body = {"prompt": "Wait too", "max_tokens": 2, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        chunks = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
-            lines = []
-            for line in r.iter_lines():
-                lines.append(line)
-                if lines.count(": keep-alive") >= 2:
-                    break
-        assert ": keep-alive" in lines and not any(line.startswith("data:") for line in lines), lines
+            for chunk in r.iter_raw():  # each network chunk as it came
+                chunks.append(chunk)
+                if not released and b"".join(chunks).count(KEEPALIVE) >= 2:
+                    assert b"data:" not in b"".join(chunks), chunks
+                    httpx.delete(f"{server.url}/v1/jobs/{holder}", timeout=10)
+                    released = True
     finally:
-        httpx.delete(f"{server.url}/v1/jobs/{holder}", timeout=10)
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-        events = sse(r.iter_lines())  # the keep-alive comments are no events
-    assert events[-1]["data"] == "[DONE]" and json.loads(events[-2]["data"])["choices"][0]["finish_reason"]
+        if not released:
+            httpx.delete(f"{server.url}/v1/jobs/{holder}", timeout=10)
+    assert released, chunks  # the holder outlived two keep-alive intervals: the stream was queued
+    text = b"".join(chunks).decode()
+    spec = [e["data"] for e in sse(text.split("\n"))]
+    assert spec[-1] == "[DONE]" and json.loads(spec[-2])["choices"][0]["finish_reason"], spec
+    assert strip_then_split(chunks) == spec, chunks
+    assert data_lines(text.split("\n")) == spec
 
 
 def _jobs(server) -> dict[str, dict]:
