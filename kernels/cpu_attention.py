@@ -49,6 +49,7 @@ import warnings
 import torch
 
 from kernels.paged_attention import gather_blocks, prefill_attention
+from kernels.paged_attention import write_kv_padded as write_kv_torch
 
 logger = logging.getLogger(__name__)
 
@@ -168,19 +169,6 @@ def _use_cpp(*tensors: torch.Tensor) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # torch path: the fallback, and what any device other than the CPU runs
-
-
-def write_kv_torch(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """write_kv in torch: index_copy_ of the tokens whose slot is >= 0."""
-    nkv, hd = k_cache.shape[-2:]
-    slots = slot_mapping.long()
-    if bool((slots < 0).any()):
-        keep = slots >= 0
-        slots, k, v = slots[keep], k[keep], v[keep]
-    k_cache.view(-1, nkv, hd).index_copy_(0, slots, k)
-    v_cache.view(-1, nkv, hd).index_copy_(0, slots, v)
 
 
 def paged_attention_torch(

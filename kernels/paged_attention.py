@@ -43,6 +43,21 @@ def write_kv(
     v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
 
 
+def write_kv_padded(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """write_kv for a slot_mapping (int32 or int64) with padding tokens: a negative slot, as in
+    vLLM's reshape_and_cache, is skipped. The C++ op's torch path and the Triton write_kv's
+    reference; it reads the slots on the host, so the engine's own step keeps write_kv."""
+    nkv, hd = k_cache.shape[-2:]
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_cache.view(-1, nkv, hd).index_copy_(0, slots, k)
+    v_cache.view(-1, nkv, hd).index_copy_(0, slots, v)
+
+
 def slot_table(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
     """[B, max_blocks] block ids -> [B, max_blocks * block_size] slot ids, position order."""
     offsets = torch.arange(block_size, device=block_tables.device, dtype=block_tables.dtype)

@@ -43,23 +43,25 @@ interpreter only, bfloat16 tl.dot operands are upcast to float32 (UPCAST): trito
 interpreter multiplies bfloat16's raw uint16 storage. The GPU's bfloat16 MMA path is therefore
 exercised by benchmarks/gpu_kernels.py, not by the CPU tests.
 
-Requirements checked by the wrappers (ValueError naming the argument otherwise): dtypes float32,
-float16, bfloat16 (cache dtype = q dtype); head_dim a power of two in [16, 256] (tl.arange
-needs a power of two and tl.dot at least 16); num_heads a multiple of num_kv_heads; CUDA tensors
-(or CPU ones under TRITON_INTERPRET=1), all on one device. Values are not checked (that would
-sync with the host): context_lens[b] <= block_tables.shape[1] * block_size and block ids in range
-are the caller's to keep.
+Requirements checked by the wrappers (kernels/checks.py: ValueError naming the argument
+otherwise): dtypes float32, float16, bfloat16 (cache dtype = q dtype); head_dim a power of two
+in [16, 256] (tl.arange needs a power of two and tl.dot at least 16); num_heads a multiple of
+num_kv_heads; CUDA tensors (or CPU ones under TRITON_INTERPRET=1), all on one device. Values
+are not checked (that would sync with the host): context_lens[b] <= block_tables.shape[1] *
+block_size and block ids in range are the caller's to keep.
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INT_DTYPES = (torch.int32, torch.int64)
+from kernels.checks import INT_DTYPES, check_cache, check_device, check_out, check_q, check_scale, check_tensor
+from kernels.paged_attention import write_kv_padded
+
+write_kv_ref = write_kv_padded  # write_kv in torch (the C++ op's torch path too), the reference
+
 _LOG2E = 1.4426950408889634
 
 _kernel_cache: dict[bool, object] = {}
@@ -122,6 +124,77 @@ def _kernels():
         tl.store(vc_ptr + off, v, mask=mask)
 
     @triton.jit
+    def attend(
+        q,
+        kc_ptr,
+        vc_ptr,
+        bt_row,
+        kv_head,
+        kv_end,
+        qpos,
+        qk_scale,
+        stride_cb,
+        stride_cs,
+        stride_cd,
+        stride_btn,
+        ROWS: tl.constexpr,
+        HD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        # The online-softmax tile loop both attention kernels run (inlined into each): the ROWS
+        # query rows of q over one sequence's K/V positions [0, kv_end), read in place through
+        # its block-table row. CAUSAL hides keys past each row's position qpos; decode's one
+        # query sees its whole context, so it compiles without the compare.
+        if UPCAST:
+            # Only under the interpreter, whose tl.dot multiplies bfloat16's raw uint16 storage
+            # (triton 3.8): the operands go to float32, where bfloat16 products are exact.
+            q = q.to(tl.float32)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HD], tl.float32)
+        d = tl.arange(0, HD)
+        n_off = tl.arange(0, BLOCK_N)
+        for start in range(0, kv_end, BLOCK_N):
+            n = start + n_off
+            n_ok = n < kv_end
+            blk = tl.load(bt_row + (n // BLOCK_SIZE) * stride_btn, mask=n_ok, other=0).to(tl.int64)
+            row = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head
+            # K loaded transposed, [HD, BLOCK_N], so q @ kT is a plain tl.dot.
+            kT = tl.load(kc_ptr + row[None, :] + d[:, None] * stride_cd, mask=n_ok[None, :], other=0.0)
+            if UPCAST:
+                kT = kT.to(tl.float32)
+            s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
+            # Every tile has a valid position, and key 0 is visible to every row (qpos >= 0), so
+            # the first tile makes every m_i finite and later fully masked rows add exp2(-inf) = 0.
+            if CAUSAL:
+                s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
+            else:
+                s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vc_ptr + row[:, None] + d[None, :] * stride_cd, mask=n_ok[:, None], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            # P in the cache's dtype, as FlashAttention does, for the 16-bit tensor cores.
+            pv = p.to(vc_ptr.dtype.element_ty).to(v.dtype)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
+            m_i = m_new
+        # An empty context (not a decode the engine makes) gives zeros rather than 0/0.
+        return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+
+    if interpret:
+        # The interpreter runs a kernel's source again with this module's globals and without
+        # its closure (it puts tl there itself), so the helper the kernels call goes there too.
+        # A compiled kernel reads its closure first, so it never sees this one.
+        globals()["attend"] = attend
+
+    @triton.jit
     def decode_kernel(
         q_ptr,
         kc_ptr,
@@ -160,41 +233,27 @@ def _kernels():
         q = tl.load(
             q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :] * stride_qd, mask=g_ok[:, None], other=0.0
         )
-        if UPCAST:
-            # Only under the interpreter, whose tl.dot multiplies bfloat16's raw uint16 storage
-            # (triton 3.8): the operands go to float32, where bfloat16 products are exact.
-            q = q.to(tl.float32)
-
-        m_i = tl.full([G_P], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_P], tl.float32)
-        acc = tl.zeros([G_P, HD], tl.float32)
-        n_off = tl.arange(0, BLOCK_N)
-        bt_row = bt_ptr + b * stride_btb
-        kv_head = kvh * stride_ch
-        for start in range(0, ctx, BLOCK_N):
-            n = start + n_off
-            n_ok = n < ctx  # every tile has at least one valid position, so m_i is finite after it
-            blk = tl.load(bt_row + (n // BLOCK_SIZE) * stride_btn, mask=n_ok, other=0).to(tl.int64)
-            row = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head
-            # K loaded transposed, [HD, BLOCK_N], so q @ kT is a plain tl.dot.
-            kT = tl.load(kc_ptr + row[None, :] + d[:, None] * stride_cd, mask=n_ok[None, :], other=0.0)
-            if UPCAST:
-                kT = kT.to(tl.float32)
-            s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(vc_ptr + row[:, None] + d[None, :] * stride_cd, mask=n_ok[:, None], other=0.0)
-            if UPCAST:
-                v = v.to(tl.float32)
-            # P in the cache's dtype, as FlashAttention does, for the 16-bit tensor cores.
-            pv = p.to(vc_ptr.dtype.element_ty).to(v.dtype)
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
-            m_i = m_new
-        # An empty context (not a decode the engine makes) gives zeros rather than 0/0.
-        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        acc = attend(
+            q,
+            kc_ptr,
+            vc_ptr,
+            bt_ptr + b * stride_btb,
+            kvh * stride_ch,
+            ctx,
+            0,  # qpos: decode is not CAUSAL (its one query sees its whole context)
+            qk_scale,
+            stride_cb,
+            stride_cs,
+            stride_cd,
+            stride_btn,
+            ROWS=G_P,
+            HD=HD,
+            BLOCK_SIZE=BLOCK_SIZE,
+            BLOCK_N=BLOCK_N,
+            CAUSAL=False,
+            DOT_PREC=DOT_PREC,
+            UPCAST=UPCAST,
+        )
         tl.store(
             out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :] * stride_od,
             acc.to(out_ptr.dtype.element_ty),
@@ -257,42 +316,29 @@ def _kernels():
             mask=r_ok[:, None],
             other=0.0,
         )
-        if UPCAST:  # see decode_kernel
-            q = q.to(tl.float32)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HD], tl.float32)
-        n_off = tl.arange(0, BLOCK_N)
-        bt_row = bt_ptr + i * stride_btb
-        kv_head = kvh * stride_ch
         # Causal: no key past the tile's last query is needed, so the loop stops there.
         kv_end = tl.minimum(first_pos + (tile + 1) * BLOCK_Q, ctx)
-        for start in range(0, kv_end, BLOCK_N):
-            n = start + n_off
-            n_ok = n < kv_end
-            blk = tl.load(bt_row + (n // BLOCK_SIZE) * stride_btn, mask=n_ok, other=0).to(tl.int64)
-            row = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head
-            kT = tl.load(kc_ptr + row[None, :] + d[:, None] * stride_cd, mask=n_ok[None, :], other=0.0)
-            if UPCAST:
-                kT = kT.to(tl.float32)
-            s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
-            # Key 0 is visible to every row (qpos >= 0), so the first tile makes every m_i finite
-            # and later fully masked rows only add exp2(-inf) = 0.
-            visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(vc_ptr + row[:, None] + d[None, :] * stride_cd, mask=n_ok[:, None], other=0.0)
-            if UPCAST:
-                v = v.to(tl.float32)
-            # P in the cache's dtype, as FlashAttention does, for the 16-bit tensor cores.
-            pv = p.to(vc_ptr.dtype.element_ty).to(v.dtype)
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
-            m_i = m_new
-        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        acc = attend(
+            q,
+            kc_ptr,
+            vc_ptr,
+            bt_ptr + i * stride_btb,
+            kvh * stride_ch,
+            kv_end,
+            qpos,
+            qk_scale,
+            stride_cb,
+            stride_cs,
+            stride_cd,
+            stride_btn,
+            ROWS=BLOCK_M,
+            HD=HD,
+            BLOCK_SIZE=BLOCK_SIZE,
+            BLOCK_N=BLOCK_N,
+            CAUSAL=True,
+            DOT_PREC=DOT_PREC,
+            UPCAST=UPCAST,
+        )
         tl.store(
             out_ptr + (q_begin + qi)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
             acc.to(out_ptr.dtype.element_ty),
@@ -302,70 +348,6 @@ def _kernels():
     kernels = (write_kv_kernel, decode_kernel, prefill_kernel)
     _kernel_cache[interpret] = kernels
     return kernels
-
-
-# ---------------------------------------------------------------------------------------------
-# Argument checks: ValueError naming the argument and what is allowed.
-
-
-def _check_tensor(name: str, t, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{name} must have dtype {allowed}; got {str(t.dtype).removeprefix('torch.')}")
-
-
-def _check_device(**tensors: torch.Tensor) -> None:
-    devices = {t.device for t in tensors.values()}
-    if len(devices) > 1:
-        where = ", ".join(f"{n} on {t.device}" for n, t in tensors.items())
-        raise ValueError(f"all tensors must be on one device, got {where}")
-    (device,) = devices
-    if device.type != "cuda" and not _interpret():
-        raise ValueError(f"tensors must be on a CUDA device (or set TRITON_INTERPRET=1 to run on CPU), got {device}")
-
-
-def _check_cache(k_cache, v_cache) -> tuple[int, int, int]:
-    _check_tensor("k_cache", k_cache, 4, _DTYPES)
-    _check_tensor("v_cache", v_cache, 4, _DTYPES)
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or v_cache.stride() != k_cache.stride():
-        raise ValueError(
-            f"v_cache must match k_cache in shape, dtype and strides, got {tuple(v_cache.shape)} {v_cache.dtype} "
-            f"and {tuple(k_cache.shape)} {k_cache.dtype}"
-        )
-    _, bs, nkv, hd = k_cache.shape
-    if hd < 16 or hd > 256 or hd & (hd - 1):
-        raise ValueError(f"head_dim (k_cache.shape[3]) must be a power of two in [16, 256], got {hd}")
-    return bs, nkv, hd
-
-
-def _check_q(q, k_cache, nkv: int, hd: int) -> tuple[int, int]:
-    _check_tensor("q", q, 3, _DTYPES)
-    n, nh, qhd = q.shape
-    if qhd != hd:
-        raise ValueError(f"q.shape[2] (head_dim) must equal k_cache.shape[3] = {hd}, got {qhd}")
-    if nh % nkv:
-        raise ValueError(f"q.shape[1] (num_heads) must be a multiple of num_kv_heads = {nkv}, got {nh}")
-    if k_cache.dtype != q.dtype:
-        raise ValueError(f"k_cache dtype must equal q dtype {q.dtype}, got {k_cache.dtype}")
-    return n, nh
-
-
-def _check_scale(scale) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
-    return float(scale)
-
-
-def _check_out(out, q) -> torch.Tensor:
-    if out is None:
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out must be a tensor of q's shape {tuple(q.shape)}, dtype {q.dtype} and device {q.device}")
-    return out
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -413,19 +395,19 @@ def write_kv(
 ) -> None:
     """Store k, v [num_tokens, num_kv_heads, head_dim] at rows `slot_mapping` [num_tokens]
     (int32 or int64) of the flattened caches; a negative slot is skipped."""
-    bs, nkv, hd = _check_cache(k_cache, v_cache)
+    bs, nkv, hd = check_cache(k_cache, v_cache)
     for name, t in (("k", k), ("v", v)):
-        _check_tensor(name, t, 3, (k_cache.dtype,))
+        check_tensor(name, t, 3, (k_cache.dtype,))
         if tuple(t.shape[1:]) != (nkv, hd):
             raise ValueError(
                 f"{name} must have shape [num_tokens, {nkv}, {hd}] (the cache's heads), got {tuple(t.shape)}"
             )
-    _check_tensor("slot_mapping", slot_mapping, 1, _INT_DTYPES)
+    check_tensor("slot_mapping", slot_mapping, 1, INT_DTYPES)
     if v.shape[0] != k.shape[0] or slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(
             f"k, v and slot_mapping must have the same number of tokens, got {k.shape[0]}, {v.shape[0]}, {slot_mapping.shape[0]}"
         )
-    _check_device(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping)
+    check_device(_interpret(), k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping)
     if k.shape[0] == 0:
         return
     kernel = _kernels()[0]
@@ -447,17 +429,6 @@ def write_kv(
     )
 
 
-def write_kv_ref(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """write_kv in torch: index_copy_ of the tokens whose slot is >= 0."""
-    nkv, hd = k_cache.shape[-2:]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, nkv, hd).index_copy_(0, slots, k[keep])
-    v_cache.view(-1, nkv, hd).index_copy_(0, slots, v[keep])
-
-
 # ---------------------------------------------------------------------------------------------
 # decode
 
@@ -475,18 +446,20 @@ def paged_decode_attention(
     K/V already written. block_tables [B, max_blocks], context_lens [B] (int32 or int64; int32
     is the one to use on the GPU: int64 indices cost registers).
     Returns [B, num_heads, head_dim] in q's dtype (into `out` when given)."""
-    bs, nkv, hd = _check_cache(k_cache, v_cache)
-    b, nh = _check_q(q, k_cache, nkv, hd)
-    _check_tensor("block_tables", block_tables, 2, _INT_DTYPES)
-    _check_tensor("context_lens", context_lens, 1, _INT_DTYPES)
+    bs, nkv, hd = check_cache(k_cache, v_cache)
+    b, nh = check_q(q, k_cache, nkv, hd)
+    check_tensor("block_tables", block_tables, 2, INT_DTYPES)
+    check_tensor("context_lens", context_lens, 1, INT_DTYPES)
     if block_tables.shape[0] != b or context_lens.shape[0] != b:
         raise ValueError(
             f"block_tables and context_lens must have one row per query (q.shape[0] = {b}), "
             f"got {block_tables.shape[0]} and {context_lens.shape[0]}"
         )
-    scale = _check_scale(scale)
-    _check_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens)
-    out = _check_out(out, q)
+    scale = check_scale(scale)
+    check_device(
+        _interpret(), q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens
+    )
+    out = check_out(out, q)
     if b == 0:
         return out
     g = nh // nkv
@@ -571,22 +544,28 @@ def paged_prefill_attention(
     causally to K/V of positions [0, context_lens[i]), read through block_tables[i] (the chunk's
     own K/V written first). `max_q_len` (the longest chunk) sizes the grid; without it, it is
     read from cu_q_lens, a host sync. Returns [total_q, num_heads, head_dim] in q's dtype."""
-    bs, nkv, hd = _check_cache(k_cache, v_cache)
-    total_q, nh = _check_q(q, k_cache, nkv, hd)
-    _check_tensor("block_tables", block_tables, 2, _INT_DTYPES)
-    _check_tensor("cu_q_lens", cu_q_lens, 1, _INT_DTYPES)
-    _check_tensor("context_lens", context_lens, 1, _INT_DTYPES)
+    bs, nkv, hd = check_cache(k_cache, v_cache)
+    total_q, nh = check_q(q, k_cache, nkv, hd)
+    check_tensor("block_tables", block_tables, 2, INT_DTYPES)
+    check_tensor("cu_q_lens", cu_q_lens, 1, INT_DTYPES)
+    check_tensor("context_lens", context_lens, 1, INT_DTYPES)
     num_chunks = context_lens.shape[0]
     if cu_q_lens.shape[0] != num_chunks + 1 or block_tables.shape[0] != num_chunks:
         raise ValueError(
             f"cu_q_lens must have num_chunks + 1 entries and block_tables num_chunks rows, with num_chunks = "
             f"context_lens.shape[0] = {num_chunks}; got {cu_q_lens.shape[0]} and {block_tables.shape[0]}"
         )
-    scale = _check_scale(scale)
-    _check_device(
-        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu_q_lens=cu_q_lens, context_lens=context_lens
+    scale = check_scale(scale)
+    check_device(
+        _interpret(),
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        cu_q_lens=cu_q_lens,
+        context_lens=context_lens,
     )
-    out = _check_out(out, q)
+    out = check_out(out, q)
     if num_chunks == 0 or total_q == 0:
         return out
     if max_q_len is None:
