@@ -13,6 +13,7 @@ environment when a Celery app is configured or a JobClient is built, never at im
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -27,6 +28,20 @@ def model_queue(model_name: str) -> str:
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model must be a non-empty string, got {model_name!r}")
     return MODEL_QUEUE_PREFIX + model_name
+
+
+def env_numbers(env: Mapping[str, str], *specs: tuple[str, str, Callable[[str], int | float]]) -> dict:
+    """{name: conv(env[key])} for each (name, key, conv) whose variable is set and not empty. A
+    value that does not read is a ValueError naming the variable; the range is the settings'
+    own check, which names the field."""
+    kw: dict = {}
+    for name, key, conv in specs:
+        if env.get(key):
+            try:
+                kw[name] = conv(env[key])
+            except ValueError:
+                raise ValueError(f"{key} must be a number, got {env[key]!r}") from None
+    return kw
 
 
 def _number(name: str, value: object, low: float) -> None:
@@ -72,17 +87,13 @@ class JobSettings:
         kw: dict = {}
         if env.get("TANDEM_REDIS_URL"):
             kw["redis_url"] = env["TANDEM_REDIS_URL"]
-        for name, key, conv in (
+        kw |= env_numbers(
+            env,
             ("job_ttl_s", "TANDEM_JOB_TTL_S", int),
             ("lease_s", "TANDEM_LEASE_S", float),
             ("heartbeat_s", "TANDEM_HEARTBEAT_S", float),
             ("stream_maxlen", "TANDEM_STREAM_MAXLEN", int),
-        ):
-            if env.get(key):
-                try:
-                    kw[name] = conv(env[key])
-                except ValueError:
-                    raise ValueError(f"{key} must be a number, got {env[key]!r}") from None
+        )
         if env.get("TANDEM_ALLOWED_ROOTS"):
             kw["allowed_roots"] = tuple(env["TANDEM_ALLOWED_ROOTS"].split(os.pathsep))
         if env.get("TANDEM_ALLOWED_URL_PREFIXES"):

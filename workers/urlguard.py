@@ -65,6 +65,8 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from workers.settings import env_numbers
+
 DETECT_SCHEMES = ("http", "https")
 CAMERA_SCHEMES = ("rtsp", "rtsps", "rtmp", "http", "https", "tcp", "udp")
 DEFAULT_PORTS = {"http": 80, "https": 443, "rtsp": 554, "rtsps": 322, "rtmp": 1935}
@@ -192,16 +194,12 @@ class UrlPolicy:
         kw["allow_private"] = flag in ("1", "true", "yes")
         if env.get("TANDEM_ALLOWED_URL_NETWORKS", "").strip():
             kw["allowed_networks"] = tuple(n for n in env["TANDEM_ALLOWED_URL_NETWORKS"].split(",") if n.strip())
-        for name, key, conv in (
+        kw |= env_numbers(
+            env,
             ("max_bytes", "TANDEM_URL_MAX_BYTES", int),
             ("timeout_s", "TANDEM_URL_TIMEOUT_S", float),
             ("max_redirects", "TANDEM_URL_MAX_REDIRECTS", int),
-        ):
-            if env.get(key):
-                try:
-                    kw[name] = conv(env[key])
-                except ValueError:
-                    raise ValueError(f"{key} must be a number, got {env[key]!r}") from None
+        )
         kw.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls(**kw)
