@@ -36,7 +36,11 @@ class Dialled(NamedTuple):
 class StreamConfig:
     buffer: int = 0  # 0: keep only the newest frame; n >= 1: a FIFO of up to n frames (oldest dropped)
     open_timeout_s: float = 5.0  # connecting must succeed within this
-    read_timeout_s: float = 5.0  # a connected stream that sends nothing this long is broken
+    # A connected stream that sends nothing this long is broken. For MJPEG the socket measures
+    # it (the kernel's poll), not the reader's clock: a reader that could not run for longer (a
+    # busy CPU, a thread holding the GIL) finds the bytes waiting and keeps its connection
+    # (tests/test_stream_reader_load.py; FFmpeg's RTSP reads rode out a 3 s SIGSTOP as well).
+    read_timeout_s: float = 5.0
     stall_after_s: float = 2.0  # health says "stalled" when a live stream sends nothing this long
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 10.0
