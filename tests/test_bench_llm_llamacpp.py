@@ -13,133 +13,75 @@ import asyncio
 import json
 import os
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from fake_http import FakeServer, fake_binary
 
 from benchmarks import common
 from benchmarks import llm as bench
 from benchmarks import llm_llamacpp as lc
 
 
-class FakeLlamaServer:
+class FakeLlamaServer(FakeServer):
     """llama-server's endpoints as the benchmark uses them. /completion streams `n_predict`
     events of one token each, the first after `first_s`, then `gap_s` apart, then a final
     `stop` event with tokens_predicted (no [DONE], as llama-server's native endpoint). Every
     token emitted counts one decode with the streams open at that moment busy, so /metrics
     moves as llama.cpp's does. /health answers 503 for `loading_s` after the start."""
 
+    stream_path = "/completion"
+    rejected = {"error": {"message": "bad request", "code": 400}}
+    protocol_version = "HTTP/1.1"
+
     def __init__(self, port=0, first_s=0.02, gap_s=0.002, loading_s=0.0, slots=4, reject=lambda body: False):
-        self.first_s, self.gap_s, self.slots, self.reject = first_s, gap_s, slots, reject
+        super().__init__(port, reject)
+        self.first_s, self.gap_s, self.slots = first_s, gap_s, slots
         self.ready_at = time.monotonic() + loading_s
-        self.bodies: list[dict] = []
         self.n_decode = 100  # a warm-up decoded before the benchmark's first read
         self.n_busy = 100
-        self.open = self.max_open = 0
-        self.lock = threading.Lock()
-        fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+    def get(self, h):
+        if time.monotonic() < self.ready_at:
+            return h.json(503, {"error": {"message": "Loading model", "code": 503}})
+        if h.path == "/health":
+            return h.json(200, {"status": "ok"})
+        if h.path == "/props":
+            return h.json(200, {"total_slots": self.slots, "build_info": "b0-fake"})
+        if h.path == "/metrics":
+            with self.lock:
+                per = self.n_busy / max(self.n_decode, 1)
+                text = (
+                    "# HELP llamacpp:n_decode_total Total number of llama_decode() calls\n"
+                    "# TYPE llamacpp:n_decode_total counter\n"
+                    f"llamacpp:n_decode_total {self.n_decode}\n"
+                    f"llamacpp:n_busy_slots_per_decode {per!r}\n"
+                    'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 0\n'
+                )
+            return h.text(200, text, "text/plain; version=0.0.4")
+        return h.json(404, {"error": {"message": "not found"}})
 
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                if time.monotonic() < fake.ready_at:
-                    return self._json(503, {"error": {"message": "Loading model", "code": 503}})
-                if self.path == "/health":
-                    return self._json(200, {"status": "ok"})
-                if self.path == "/props":
-                    return self._json(200, {"total_slots": fake.slots, "build_info": "b0-fake"})
-                if self.path == "/metrics":
-                    with fake.lock:
-                        per = fake.n_busy / max(fake.n_decode, 1)
-                        text = (
-                            "# HELP llamacpp:n_decode_total Total number of llama_decode() calls\n"
-                            "# TYPE llamacpp:n_decode_total counter\n"
-                            f"llamacpp:n_decode_total {fake.n_decode}\n"
-                            f"llamacpp:n_busy_slots_per_decode {per!r}\n"
-                            'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 0\n'
-                        )
-                    data = text.encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/plain; version=0.0.4")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                    return None
-                return self._json(404, {"error": {"message": "not found"}})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with fake.lock:
-                    fake.bodies.append(body)
-                if self.path != "/completion" or fake.reject(body):
-                    return self._json(400, {"error": {"message": "bad request", "code": 400}})
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                with fake.lock:
-                    fake.open += 1
-                    fake.max_open = max(fake.max_open, fake.open)
-                try:
-                    time.sleep(fake.first_s)
-                    for i in range(body["n_predict"]):
-                        if i:
-                            time.sleep(fake.gap_s)
-                        with fake.lock:
-                            fake.n_decode += 1
-                            fake.n_busy += fake.open
-                        self._event({"content": f" t{i}", "tokens": [1000 + i], "stop": False})
-                    self._event(
-                        {
-                            "content": "",
-                            "tokens": [],
-                            "stop": True,
-                            "stop_type": "limit",
-                            "tokens_predicted": body["n_predict"],
-                            "tokens_evaluated": len(body["prompt"]),
-                            "timings": {"prompt_n": len(body["prompt"]), "cache_n": 0},
-                        }
-                    )
-                finally:
-                    with fake.lock:
-                        fake.open -= 1
-                self.close_connection = True
-                return None
-
-            def _event(self, obj):
-                self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
-                self.wfile.flush()
-
-            def _json(self, status, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-            request_queue_size = 256
-
-        self.httpd = Server(("127.0.0.1", port), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def stream(self, h, body):
+        time.sleep(self.first_s)
+        for i in range(body["n_predict"]):
+            if i:
+                time.sleep(self.gap_s)
+            with self.lock:
+                self.n_decode += 1
+                self.n_busy += self.open
+            h.event({"content": f" t{i}", "tokens": [1000 + i], "stop": False})
+        h.event(
+            {
+                "content": "",
+                "tokens": [],
+                "stop": True,
+                "stop_type": "limit",
+                "tokens_predicted": body["n_predict"],
+                "tokens_evaluated": len(body["prompt"]),
+                "timings": {"prompt_n": len(body["prompt"]), "cache_n": 0},
+            }
+        )
 
 
 def _trace(n=4, max_tokens=(3, 5, 2, 4), arrivals=None, plen=8):
@@ -282,19 +224,6 @@ def test_wait_ready_waits_out_loading_and_reports_a_dead_server(tmp_path):
 # ---------------------------------------------------------------- the contestant's process
 
 
-def _fake_binary(tmp_path: Path) -> Path:
-    binary = tmp_path / "llama-server"
-    binary.write_text(
-        f"#!{sys.executable}\n"
-        "import sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_bench_llm_llamacpp import fake_binary_main\n"
-        "fake_binary_main(sys.argv[1:])\n"
-    )
-    binary.chmod(0o755)
-    return binary
-
-
 def fake_binary_main(argv: list[str]) -> None:
     """The fake `llama-server`: `--version`, or serve on --port until SIGTERM, after writing
     its arguments to $FAKE_LLAMA_ARGV."""
@@ -314,7 +243,7 @@ def fake_binary_main(argv: list[str]) -> None:
 def test_the_contestant_runs_every_trace_against_its_own_server(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_LLAMA_ARGV", str(tmp_path / "argv.json"))
     gguf = _tiny_gguf(tmp_path / "m.Q4_1.gguf")
-    binary = _fake_binary(tmp_path)
+    binary = fake_binary(tmp_path / "llama-server", "test_bench_llm_llamacpp", "fake_binary_main")
     args = _args("--quick", "--slots", "3", "--max-model-len", "256", "--llamacpp-server", str(binary))
     args.llamacpp_args = "--poll 0"
     args.model = str(gguf)

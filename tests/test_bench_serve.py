@@ -11,21 +11,22 @@ import asyncio
 import json
 import os
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from fake_http import FakeServer, fake_binary
 
 from benchmarks import serve as bs
 
 
-class FakeOpenAI:
+class FakeOpenAI(FakeServer):
     """Streams `max_tokens` one-token chunks: the first after `first_s`, the others `gap_s`
-    apart, then a usage chunk and [DONE]. Records each request body and the most streams
-    open at once. `empty_first` sends an empty-text chunk at once (it must not count as the
-    first token); `usage=False` leaves the usage chunk out; a body that `reject` accepts gets a 400."""
+    apart, then a usage chunk and [DONE]. `empty_first` sends an empty-text chunk at once (it
+    must not count as the first token); `usage=False` leaves the usage chunk out; a body that
+    `reject` accepts gets a 400."""
+
+    rejected = {"error": {"message": "bad prompt", "type": "invalid_request_error"}}
 
     def __init__(
         self,
@@ -37,94 +38,39 @@ class FakeOpenAI:
         reject=lambda body: body["prompt"][0] == 0,
         port=0,
     ):
+        super().__init__(port, reject)
         self.first_s, self.gap_s, self.usage, self.empty_first, self.models = first_s, gap_s, usage, empty_first, models
-        self.reject = reject
-        self.bodies: list[dict] = []
-        self.open_streams = self.max_open_streams = 0
-        self.lock = threading.Lock()
-        fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
+    def get(self, h):
+        if h.path != "/v1/models":
+            return h.send_error(404)
+        return h.json(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
 
-            def do_GET(self):
-                if self.path != "/v1/models":
-                    return self.send_error(404)
-                self._json(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in fake.models]})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with fake.lock:
-                    fake.bodies.append(body)
-                if self.path != "/v1/completions" or fake.reject(body):
-                    return self._json(400, {"error": {"message": "bad prompt", "type": "invalid_request_error"}})
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.end_headers()
-                with fake.lock:
-                    fake.open_streams += 1
-                    fake.max_open_streams = max(fake.max_open_streams, fake.open_streams)
-                try:
-                    self._stream(body)
-                finally:
-                    with fake.lock:
-                        fake.open_streams -= 1
-
-            def _stream(self, body):
-                def send(obj):
-                    data = obj if isinstance(obj, str) else json.dumps(obj)
-                    self.wfile.write(f"data: {data}\n\n".encode())
-                    self.wfile.flush()
-
-                chunk = lambda text: {  # noqa: E731 - a one-line builder, local to this handler
+    def stream(self, h, body):
+        chunk = lambda text: {  # noqa: E731 - a one-line builder, local to this stream
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "model": body["model"],
+            "choices": [{"index": 0, "text": text, "finish_reason": None}],
+        }
+        if self.empty_first:
+            h.event(chunk(""))
+        h.wfile.write(b": keep-alive comment\n\n")
+        time.sleep(self.first_s)
+        for i in range(body["max_tokens"]):
+            if i:
+                time.sleep(self.gap_s)
+            h.event(chunk(f" t{i}"))
+        if self.usage:
+            n, p = body["max_tokens"], len(body["prompt"])
+            h.event(
+                {
                     "id": "cmpl-1",
-                    "object": "text_completion",
-                    "model": body["model"],
-                    "choices": [{"index": 0, "text": text, "finish_reason": None}],
+                    "choices": [],
+                    "usage": {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n},
                 }
-                if fake.empty_first:
-                    send(chunk(""))
-                self.wfile.write(b": keep-alive comment\n\n")
-                time.sleep(fake.first_s)
-                for i in range(body["max_tokens"]):
-                    if i:
-                        time.sleep(fake.gap_s)
-                    send(chunk(f" t{i}"))
-                if fake.usage:
-                    n, p = body["max_tokens"], len(body["prompt"])
-                    send(
-                        {
-                            "id": "cmpl-1",
-                            "choices": [],
-                            "usage": {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n},
-                        }
-                    )
-                send("[DONE]")
-
-            def _json(self, status, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-            request_queue_size = 256  # every request of a phase connects at once
-
-        self.httpd = Server(("127.0.0.1", port), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+            )
+        h.event("[DONE]")
 
 
 def _phase(fake, prompts, output_len=8, rate=float("inf"), model="fake-model"):
@@ -208,7 +154,7 @@ def test_unbounded_rate_sends_every_request_at_once():
     with FakeOpenAI(first_s=1.0, gap_s=0.0) as fake:
         results, wall = _phase(fake, bs.random_prompts(24, 8, 5000, seed=0), output_len=2)
     assert all(r.ok for r in results)
-    assert fake.max_open_streams == 24  # the client does not bound concurrency: the server's slots do
+    assert fake.max_open == 24  # the client does not bound concurrency: the server's slots do
     assert wall < 5  # one at a time would take 24 s
 
 
@@ -422,19 +368,6 @@ def fake_llama_server_main(argv: list[str]) -> None:
             time.sleep(1)
 
 
-def _fake_llama_binary(tmp_path: Path) -> Path:
-    binary = tmp_path / "llama-server"
-    binary.write_text(
-        f"#!{sys.executable}\n"
-        "import sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_bench_serve import fake_llama_server_main\n"
-        "fake_llama_server_main(sys.argv[1:])\n"
-    )
-    binary.chmod(0o755)
-    return binary
-
-
 def _tiny_gguf(path: Path) -> Path:
     import gguf
     import numpy as np
@@ -465,7 +398,7 @@ def test_llamacpp_server_is_started_on_the_gguf_at_the_slots_and_reports_its_pre
                 fake.url,
                 "--skip-vllm",
                 "--llamacpp-server",
-                str(_fake_llama_binary(tmp_path)),
+                str(fake_binary(tmp_path / "llama-server", "test_bench_serve", "fake_llama_server_main")),
                 "--llamacpp-threads",
                 "3",
                 "--llamacpp-args=--poll 0",
