@@ -175,6 +175,25 @@ def security(args: argparse.Namespace, env=None) -> Security:
     return Security(keys, args.host, tuple((args.allowed_hosts or "").split(",")))
 
 
+def service_config(args: argparse.Namespace):
+    """The camera service's CameraServiceConfig from the flags; ValueError naming the flag."""
+    from workers.camera_checks import CameraServiceConfig
+
+    policy = url_policy(args)  # its errors name their flags already
+    try:
+        return CameraServiceConfig(
+            maxlen=args.maxlen,
+            max_fps=args.max_fps,
+            instance=args.instance,
+            max_cameras=args.max_cameras,
+            url_policy=policy,
+            batch_timeout_ms=args.batch_timeout_ms,
+        )
+    except ValueError as exc:  # "max_fps must be ...": each message starts with its field
+        field, _, rest = str(exc).partition(" ")
+        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+
+
 def _classes(text: str | None) -> list[int] | None:
     from runtime.vision.flags import parse_class_ids
 
@@ -183,25 +202,15 @@ def _classes(text: str | None) -> list[int] | None:
 
 def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
     """(camera urls, Runtime vision config, Redis URL or None); ValueError names the flag."""
-    from workers.cameras import check_instance, check_max_fps
     from workers.settings import JobSettings
 
-    if args.maxlen < 1:
-        raise ValueError(f"--maxlen must be >= 1, got {args.maxlen}")
-    if args.max_cameras < 1:
-        raise ValueError(f"--max-cameras must be >= 1, got {args.max_cameras}")
-    check_max_fps(args.max_fps, "--max-fps")
-    if args.batch_timeout_ms is not None and not 0 <= args.batch_timeout_ms <= 1000:
-        raise ValueError(f"--batch-timeout-ms must be in [0, 1000] milliseconds, got {args.batch_timeout_ms}")
-    if args.instance is not None:
-        check_instance(args.instance, "--instance")
+    service_config(args)  # a bad prefix or network too: usage errors before anything loads
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.duration is not None and not args.duration > 0:
         raise ValueError(f"--duration must be > 0 seconds, got {args.duration}")
     if args.no_redis and args.jsonl is None:
         raise ValueError("--no-redis needs --jsonl: the detections must go somewhere")
-    url_policy(args)  # a bad prefix or network is a usage error before anything loads
     if args.view_fps is not None and not 0 < args.view_fps <= 60:
         raise ValueError(f"--view-fps must be in (0, 60], got {args.view_fps}")
     if not args.reload_interval >= 0:
@@ -316,17 +325,7 @@ def _serve(args, urls: list[str], vision: dict, redis_client, server: ControlSer
             previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: hup.set())
     service = None
     try:
-        service = CameraService(
-            runtime,
-            redis_client,
-            maxlen=args.maxlen,
-            max_fps=args.max_fps,
-            batch_timeout_ms=args.batch_timeout_ms,
-            jsonl=jsonl,
-            instance=args.instance,
-            max_cameras=args.max_cameras,
-            url_policy=url_policy(args),
-        )
+        service = CameraService(runtime, redis_client, service_config(args), jsonl=jsonl)
         streams_file = None
         if args.source.endswith(".streams"):
             from workers.streams_file import StreamsFile

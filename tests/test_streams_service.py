@@ -26,7 +26,14 @@ from sources.loopback import MjpegServer, dead_url, synthetic_frames
 from sources.stream_reader import StreamConfig
 from tandem.streams_cli import main
 from workers import fleet_metrics
-from workers.cameras import CONTROL_KEY, STREAM_KEY, CameraError, CameraService, camera_policy
+from workers.cameras import (
+    CONTROL_KEY,
+    STREAM_KEY,
+    CameraError,
+    CameraService,
+    CameraServiceConfig,
+    camera_policy,
+)
 from workers.store import connect
 
 SAFETY_S = 30
@@ -181,7 +188,7 @@ def test_live_cameras_deliver_to_redis_while_dead_and_stalled_ones_are_retried(r
 def test_maxlen_bounds_each_camera_stream(r, make_service, cams):
     service = make_service(r, maxlen=12)
     service.add("a", cams["a"])
-    wait_for(lambda: service.counts["records"] >= 60, SAFETY_S, "60 records published")
+    wait_for(lambda: service.publisher.counts["records"] >= 60, SAFETY_S, "60 records published")
     length = r.xlen(STREAM_KEY + "a")
     assert 12 <= length < 12 + NODE_ENTRIES  # approximate trimming drops whole nodes only
     assert _records(r, "a")[-1]["seq"] >= 60  # the newest are the ones kept
@@ -196,7 +203,7 @@ def test_without_redis_the_records_go_to_json_lines(make_service, cams):
     wait_for(lambda: out.getvalue().count("\n") >= 3, SAFETY_S, "three JSON lines")
     records = [json.loads(line) for line in out.getvalue().splitlines()[:3]]
     assert [(rec["camera"], rec["seq"]) for rec in records] == [("a", 1), ("a", 2), ("a", 3)]
-    assert service.failure is None and service.counts["records"] == 0  # nothing went to Redis
+    assert service.failure is None and service.publisher.counts["records"] == 0  # nothing went to Redis
 
 
 def test_a_camera_rate_cap_holds_and_skipped_frames_count_as_drops(r, make_service, cams):
@@ -232,7 +239,7 @@ def test_cameras_are_added_and_removed_over_http_while_it_runs(r, make_service, 
     assert [c["camera"] for c in client.get("/cameras").json()["cameras"]] == ["first"]
     first = _row(service, "first")["frames"]
     wait_for(lambda: _row(service, "first")["frames"] >= first + 10, SAFETY_S, "more frames of the camera left")
-    assert r.xlen(STREAM_KEY + "second") <= kept + service.max_in_flight  # only frames already in the detector
+    assert r.xlen(STREAM_KEY + "second") <= kept + service.config.max_in_flight  # only frames already in the detector
     again = client.post("/cameras", json={"camera": "second", "url": cams["b"]})
     assert again.status_code == 201  # the id is free again
     assert client.delete("/cameras/second").status_code == 200
@@ -479,6 +486,30 @@ def test_cli_stops_cleanly_on_sigint(redis_server, r, cams, capsys):
     assert len(lines) >= 3 and {rec["camera"] for rec in lines} == {"cam0"}
     assert "ready, control http://127.0.0.1:" in err and "stopped;" in err
     assert signal.getsignal(signal.SIGINT) is before  # the handler is given back
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("maxlen", 0),
+        ("max_in_flight", True),
+        ("max_cameras", 1.5),
+        ("max_fps", 0),
+        ("batch_timeout_ms", 1001),
+        ("publish_interval_s", 0),
+        ("instance", "no spaces"),
+    ],
+)
+def test_the_service_config_names_the_field_it_refuses(field, bad):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        CameraServiceConfig(**{field: bad})
+
+
+def test_the_service_takes_its_settings_once():
+    with pytest.raises(ValueError, match="allowed_url_prefixes"):
+        CameraServiceConfig(allowed_url_prefixes=("rtsp://cams.example/",), url_policy=camera_policy())
+    with pytest.raises(TypeError, match="not both"):  # before anything starts: no Runtime needed
+        CameraService(None, None, CameraServiceConfig(), maxlen=3)
 
 
 BAD_ARGS = [

@@ -1,7 +1,8 @@
 """What a camera command may hold, checked before the camera service acts on it: ids, rates,
 per-camera options and stream URLs, each refusal a CameraError naming its field. Shared by
 CameraService (workers/cameras.py), its HTTP control (server/streams_app.py) and the `.streams`
-file (streams_file.py), so the three take the same names with the same rules."""
+file (streams_file.py), so the three take the same names with the same rules. Also the
+service's own settings (CameraServiceConfig), checked as they are given."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from sources.base import is_stream_url
-from sources.stream_reader import Dialled
+from sources.stream_reader import Dialled, StreamConfig
 from workers.urlguard import CAMERA_SCHEMES, UrlPolicy, check_url
 
 CAMERA_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -112,6 +113,62 @@ class CameraOptions:
 
 
 OPTION_FIELDS = ("max_fps", "policy", "queue", "max_staleness_ms", "motion_threshold", "tracker")
+
+
+@dataclass(slots=True)
+class CameraServiceConfig:
+    """A camera service's settings (workers/cameras.py), checked when built, without I/O: a bad
+    one is a ValueError naming its field and the range it may take.
+
+    `maxlen`: records kept per camera stream in Redis (approximate trimming). `max_fps`: the
+    default rate cap of a camera (None: as fast as the detector takes them). `instance`: this
+    service's name in Redis and /metrics (None: host and pid). `stream_config` None: the
+    defaults, with the Runtime's max_image_pixels (VisionConfig), so a camera whose frames are
+    over it goes down naming the limit before a frame is decoded. `max_in_flight`: frames of
+    one camera in the Runtime at once; newer frames replace older ones in the reader's slot
+    meanwhile, so a slow detector drops frames instead of queueing them. `publish_interval_s`:
+    how often the service's /metrics payload goes to Redis. `control`: answer commands pushed to
+    the Redis control list. `url_policy` (or `allowed_url_prefixes`, not both): the guard of
+    remotely added cameras (workers/urlguard.py; default: any public host). `batch_timeout_ms`:
+    how long the muxer holds a group for the live cameras still to come (None: derived from
+    their rates, see workers/cameras_mux.py; 0: no holding)."""
+
+    maxlen: int = 1000
+    max_fps: float | None = None
+    instance: str | None = None
+    stream_config: StreamConfig | None = None
+    max_in_flight: int = 2
+    max_cameras: int = 64
+    publish_interval_s: float = 2.0
+    control: bool = True
+    allowed_url_prefixes: tuple[str, ...] = ()
+    url_policy: UrlPolicy | None = None
+    batch_timeout_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("maxlen", "max_in_flight", "max_cameras"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.max_fps = check_max_fps(self.max_fps)
+        timeout = self.batch_timeout_ms
+        if timeout is not None and (not is_number(timeout) or not 0 <= timeout <= 1000):
+            message = (
+                f"batch_timeout_ms must be a number in [0, 1000] ms (unset: derived from the rates), got {timeout!r}"
+            )
+            raise ValueError(message)
+        interval = self.publish_interval_s
+        if not is_number(interval) or not interval > 0:
+            raise ValueError(f"publish_interval_s must be a number > 0, got {interval!r}")
+        self.publish_interval_s = float(interval)
+        if self.instance is not None:
+            check_instance(self.instance)
+        if self.url_policy is not None and any(self.allowed_url_prefixes):
+            raise ValueError("allowed_url_prefixes: give them in url_policy (camera_policy(prefixes)), not both")
+
+    @property
+    def batch_timeout_s(self) -> float | None:
+        return None if self.batch_timeout_ms is None else self.batch_timeout_ms / 1000.0
 
 
 def check_stream_url(url: object) -> str:
