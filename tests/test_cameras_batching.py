@@ -1,4 +1,4 @@
-"""The camera muxer (workers/cameras.py): frames of several cameras share one forward pass,
+"""The camera muxer (workers/cameras_mux.py): frames of several cameras share one forward pass,
 and a camera that is dead, stalled or slow never holds a group back.
 
 A real Runtime with the test detector and loopback MJPEG cameras: two live at 30 fps, one
