@@ -8,10 +8,11 @@ torch without copying. It runs the model once, samples all rows at once, and syn
 host once, in the final `to_host` (the sampled ids, with the logprobs of the rows that asked).
 
 Rows of requests held to a grammar (structured outputs) get their allowed-token mask: the
-engine registers each such request's matcher in `grammars`; `_sample` fills the masks of all the
-step's constrained rows in one `fill_bitmasks` call into a reusable host buffer and hands them
-to the sampler, which masks those rows on the device. Logprobs still read the raw logits. The
-matcher advances (accept_token) in the engine, once the tokens are on the host.
+engine hands over each such request's matcher (keep_request_data); `_sample` fills the masks
+of all the step's constrained rows in one `fill_bitmasks` call into a reusable host buffer and
+hands them to the sampler, which masks those rows on the device. Logprobs still read the raw
+logits. The matcher advances (accept_token) in runtime/llm/output_processor.py, once the
+tokens are on the host.
 
 Attention runs, on CPU, on the C++ kernel that reads the blocks in place
 (kernels/cpu_attention.py, "cpp", where it builds) or the torch reference
@@ -56,10 +57,11 @@ import torch
 
 from kernels.paged_attention import decode_mask
 from runtime.block_pool import BlockPool
+from runtime.llm.cached_request import CachedRequestState, sampling_batch
 from runtime.llm.input_batch import InputBatch
 from runtime.llm.loader import DTYPES, LoadedModel
 from runtime.llm.model import AttentionMetadata, LlamaModel, ModelSpec, PrefillChunk
-from runtime.llm.sampler import Sampler, SamplingBatch, compute_logprobs, row_seed, to_host
+from runtime.llm.sampler import Sampler, compute_logprobs, to_host
 from runtime.llm.sampling_params import GREEDY_EPS
 from runtime.llm.structured import GrammarCompiler, GrammarMatcher
 from runtime.memory import DeviceMemoryManager
@@ -84,23 +86,6 @@ class RunnerResult(StepResult):
     and sampled this step, (token ids, logprobs) of the sampled token then its top k."""
 
     logprobs: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _RequestState:
-    token_ids: list[int]
-    block_ids: list[int]
-    num_prompt_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
-    min_tokens: int
-    stop_ids: list[int]  # suppressed while fewer than min_tokens outputs exist
-    penalized: bool = False  # has a row in sampler.penalties
-    min_p: float = 0.0
-    num_logprobs: int | None = None  # None: no logprobs
-    grammar: GrammarMatcher | None = None  # structured outputs: the request's matcher (the engine's)
 
 
 class ModelRunner:
@@ -159,88 +144,144 @@ class ModelRunner:
         # once, rather than refused with every request at admission.
         self.eos_token_ids = [t for t in loaded.eos_token_ids if 0 <= t < spec.vocab_size]
         self.memory = memory
-        elt = torch.empty((), dtype=self.dtype).element_size()
-        per_block = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elt
+        self.kv_block_bytes = self._kv_block_bytes()
         if num_kv_blocks is None and kv_cache_bytes is not None:
-            num_kv_blocks = kv_cache_bytes // per_block
+            num_kv_blocks = kv_cache_bytes // self.kv_block_bytes
             if num_kv_blocks < 1:
-                raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block ({per_block} bytes)")
-
-        # A captured decode step (runtime/llm/compiled.py): on CPU, on either CPU attention path.
-        capture = not enforce_eager and self.device.type == "cpu" and self.attention_backend in ("torch", "cpp")
-        self.graph = None
+                raise ValueError(
+                    f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block ({self.kv_block_bytes} bytes)"
+                )
+        self._max_num_seqs = max_num_seqs
+        self.graph = None  # CPU: the torch.compile decode step (runtime/llm/compiled.py)
         self.cuda_graphs = None  # CUDA: one graph per decode batch bucket (runtime/llm/cuda_graphs.py)
         self.memory_owner = owner = memory.claim("llm")
         self._memory_released = False
         try:
-            # from_state_dict consumes the dict it is given, tensor by tensor.
-            weights = loaded.state_dict if release_state_dict else dict(loaded.state_dict)
-            self.model = LlamaModel.from_state_dict(
-                spec,
-                weights,
-                self.dtype,
-                self.device,
-                max_model_len,
-                batch_hint=max_num_seqs,
-                quantization=quantization,
-            )
-            memory.reserve(f"{owner}.weights", self.model.num_parameter_bytes())
-            memory.reserve(f"{owner}.activations", self._activation_bytes(max_num_seqs, max_num_batched_tokens))
-            memory.reserve(f"{owner}.kv_scratch", per_block)  # before the pool, which may take all the rest
-            self.kv_pool: BlockPool = memory.create_kv_pool(
-                per_block, block_size, num_kv_blocks, enable_prefix_caching, owner=f"{owner}.kv_cache"
-            )
-            n = self.kv_pool.num_blocks
-            # Block n is scratch: the pool never hands it out, so nothing writes it and it
-            # stays zero; batched decode pads every block table with it (see
-            # kernels/paged_attention.py for why masking alone is not enough).
-            self.pad_block = n
-            shape = (spec.num_layers, 2, n + 1, block_size, spec.num_kv_heads, spec.head_dim)
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self._load_weights(loaded, release_state_dict, quantization)
+            self._size_kv_cache(max_num_batched_tokens, num_kv_blocks, enable_prefix_caching)
             if not enforce_eager and self.device.type == "cuda" and self.attention_backend == "triton":
-                from runtime.llm.cuda_graphs import CudaGraphDecode
-
-                self.cuda_graphs = CudaGraphDecode(
-                    self.model,
-                    self.kv_cache,
-                    max_num_seqs=max_num_seqs,
-                    max_blocks=-(-max_model_len // block_size),
-                    pad_block=n,
-                )
-                try:
-                    self.cuda_graphs.capture()
-                except Exception as exc:  # noqa: BLE001 - a failed capture leaves the engine eager, not down
-                    log.warning("capturing CUDA graphs failed, staying eager: %s: %s", type(exc).__name__, exc)
-                    self.cuda_graphs = None
-                    torch.cuda.synchronize(self.device)
+                self._capture_cuda_graphs()
         except BaseException:
             memory.release(owner)  # a runner that failed to start keeps no name and no bytes
             raise
         if release_state_dict:
             loaded.state_dict = {}  # the model holds (fused copies of) every weight now
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
         self.sampler = Sampler(spec.vocab_size, self.device)
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.pad_block)
-        self.requests: dict[str, _RequestState] = {}
-        # Structured outputs. The engine owns both: it sets the compiler when the first
-        # constrained request arrives, and keeps each constrained request's matcher here from
-        # add to finish. A matcher belongs to the request, not to its runner state: a preempted
-        # request is dropped from `requests` and re-admitted with its outputs as prompt, and
-        # finds its matcher here, already past those outputs.
+        self.requests: dict[str, CachedRequestState] = {}
+        # Structured outputs and resumed requests: data that belongs to the request, not to its
+        # runner state, kept from add to finish (keep_request_data / forget_request_data). A
+        # preempted request is dropped from `requests` and re-admitted with its outputs as
+        # prompt, and finds its matcher here, already past those outputs.
         self.grammar_compiler: GrammarCompiler | None = None
         self.grammars: dict[str, GrammarMatcher] = {}
-        # Resumed requests (the engine's, like `grammars`): how many of the prompt's last tokens
-        # are earlier outputs, which min_tokens, the seeds' output index and the penalties count.
+        # How many of a resumed request's prompt tokens are earlier outputs, which min_tokens,
+        # the seeds' output index and the penalties count.
         self.num_resumed_outputs: dict[str, int] = {}
         self._grammar_mask = None  # host int32 [max_num_seqs, words], made on first use
-        self._max_num_seqs = max_num_seqs
         self.last_logits: torch.Tensor | None = None  # the last step's logits, for tests and debugging
         self.num_graph_steps = 0  # steps run by the captured graph
-        if capture:
-            from runtime.llm.compiled import CompiledDecode
+        # A captured decode step on CPU, on either CPU attention path.
+        if not enforce_eager and self.device.type == "cpu" and self.attention_backend in ("torch", "cpp"):
+            self._start_compiled_decode(cache_dir, compile_in_background)
 
-            self.graph = CompiledDecode(self.model, block_size=block_size, cache_dir=cache_dir)
-            self.graph.start(background=compile_in_background)
+    # ---- start-up steps, in the order __init__ takes them --------------------------------
+
+    def _kv_block_bytes(self) -> int:
+        """Bytes of one KV block: K and V of `block_size` tokens in every layer."""
+        s = self.spec
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elt
+
+    def _load_weights(self, loaded: LoadedModel, release_state_dict: bool, quantization: str | None) -> None:
+        """Build the model from the loaded weights and reserve their bytes."""
+        # from_state_dict consumes the dict it is given, tensor by tensor.
+        weights = loaded.state_dict if release_state_dict else dict(loaded.state_dict)
+        self.model = LlamaModel.from_state_dict(
+            self.spec,
+            weights,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            batch_hint=self._max_num_seqs,
+            quantization=quantization,
+        )
+        self.memory.reserve(f"{self.memory_owner}.weights", self.model.num_parameter_bytes())
+
+    def _size_kv_cache(self, max_num_batched_tokens: int, num_kv_blocks: int | None, prefix_caching: bool) -> None:
+        """Reserve a step's activations and one scratch block, then make the KV pool: exactly
+        `num_kv_blocks`, or (None) every block the device budget has left after them. The cache
+        tensor holds one block more than the pool, the pad block:
+
+            kv_cache[layer, k|v, block, token in block, kv head, head dim]
+            blocks 0 .. n-1: the pool's    block n: pad (never handed out, always zero)
+        """
+        owner, bytes_per_block = self.memory_owner, self.kv_block_bytes
+        self.memory.reserve(f"{owner}.activations", self._activation_bytes(self._max_num_seqs, max_num_batched_tokens))
+        self.memory.reserve(f"{owner}.kv_scratch", bytes_per_block)  # before the pool, which may take all the rest
+        self.kv_pool: BlockPool = self.memory.create_kv_pool(
+            bytes_per_block, self.block_size, num_kv_blocks, prefix_caching, owner=f"{owner}.kv_cache"
+        )
+        n = self.kv_pool.num_blocks
+        # Block n is scratch: the pool never hands it out, so nothing writes it and it
+        # stays zero; batched decode pads every block table with it (see
+        # kernels/paged_attention.py for why masking alone is not enough).
+        self.pad_block = n
+        s = self.spec
+        shape = (s.num_layers, 2, n + 1, self.block_size, s.num_kv_heads, s.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(s.num_layers)]
+
+    def _capture_cuda_graphs(self) -> None:
+        """CUDA: capture one decode graph per batch bucket, now, over the KV cache just made. A
+        capture that fails leaves the runner eager, not down."""
+        from runtime.llm.cuda_graphs import CudaGraphDecode
+
+        self.cuda_graphs = CudaGraphDecode(
+            self.model,
+            self.kv_cache,
+            max_num_seqs=self._max_num_seqs,
+            max_blocks=-(-self.max_model_len // self.block_size),
+            pad_block=self.pad_block,
+        )
+        try:
+            self.cuda_graphs.capture()
+        except Exception as exc:  # noqa: BLE001 - a failed capture leaves the engine eager, not down
+            log.warning("capturing CUDA graphs failed, staying eager: %s: %s", type(exc).__name__, exc)
+            self.cuda_graphs = None
+            torch.cuda.synchronize(self.device)
+
+    def _start_compiled_decode(self, cache_dir: str | None, in_background: bool) -> None:
+        """CPU: start compiling the decode step with torch.compile (on a background thread
+        unless told otherwise); steps stay eager until it is ready."""
+        from runtime.llm.compiled import CompiledDecode
+
+        self.graph = CompiledDecode(self.model, block_size=self.block_size, cache_dir=cache_dir)
+        self.graph.start(background=in_background)
+
+    # ---- per-request data the engine hands over --------------------------------------------
+
+    def keep_request_data(
+        self,
+        request_id: str,
+        *,
+        grammar: GrammarMatcher | None = None,
+        grammar_compiler: GrammarCompiler | None = None,
+        num_resumed_outputs: int = 0,
+    ) -> None:
+        """Hold what belongs to a queued request rather than to its runner state, until
+        forget_request_data: its grammar matcher (with the compiler that fills its masks) and
+        how many of its prompt's last tokens are its own earlier outputs."""
+        if grammar is not None:
+            self.grammar_compiler = grammar_compiler
+            self.grammars[request_id] = grammar
+        if num_resumed_outputs:
+            self.num_resumed_outputs[request_id] = num_resumed_outputs
+
+    def forget_request_data(self, request_id: str) -> None:
+        """The request ended: drop what keep_request_data held (unknown ids are fine)."""
+        self.grammars.pop(request_id, None)
+        self.num_resumed_outputs.pop(request_id, None)
 
     def release_memory(self) -> None:
         """Give back every byte reserved for this runner and drop the tensors they paid for
@@ -302,7 +343,7 @@ class ModelRunner:
                     f"{name} must be token ids in [0, {vocab}), got {[t for t in ids if not 0 <= t < vocab][:4]!r}"
                 )
         num_prompt = nr.num_prompt_tokens - self.num_resumed_outputs.get(nr.request_id, 0)
-        self.requests[nr.request_id] = _RequestState(
+        self.requests[nr.request_id] = CachedRequestState(
             token_ids=list(nr.token_ids),
             block_ids=list(nr.block_ids),
             num_prompt_tokens=num_prompt,
@@ -459,7 +500,7 @@ class ModelRunner:
         if logits is None:
             return RunnerResult(sampled_token_ids=out, failed=failed)
         sampled = [states[i] for i in sample_idx]
-        sbatch = self._sampling_batch(sampled, [plan.req_ids[i] for i in sample_idx])
+        sbatch = sampling_batch(sampled, [plan.req_ids[i] for i in sample_idx])
         # No constrained request anywhere (the common case): not even a scan of the rows.
         grammar_rows = [row for row, st in enumerate(sampled) if st.grammar is not None] if self.grammars else []
         if grammar_rows:
@@ -572,27 +613,3 @@ class ModelRunner:
         if block_ids:
             idx = torch.tensor(block_ids, dtype=torch.long).to(self.device)
             self.kv_cache.index_fill_(2, idx, 0)
-
-    @staticmethod
-    def _sampling_batch(states: list[_RequestState], request_ids: list[str]) -> SamplingBatch:
-        suppress: list[tuple[int, list[int]]] = []
-        seeds: list[int | None] = []
-        logprobs: list[tuple[int, int]] = []
-        for row, st in enumerate(states):
-            num_out = len(st.token_ids) - st.num_prompt_tokens
-            if num_out < st.min_tokens and st.stop_ids:
-                suppress.append((row, st.stop_ids))
-            seeds.append(row_seed(st.seed, num_out) if st.seed is not None else None)
-            if st.num_logprobs is not None:
-                logprobs.append((row, st.num_logprobs))
-        min_p = [st.min_p for st in states]
-        return SamplingBatch(
-            temperatures=[st.temperature for st in states],
-            top_k=[st.top_k for st in states],
-            top_p=[st.top_p for st in states],
-            seeds=seeds,
-            suppress=suppress,
-            penalized=[(row, rid) for row, (rid, st) in enumerate(zip(request_ids, states)) if st.penalized],
-            min_p=min_p if any(min_p) else None,
-            logprobs=logprobs,
-        )
