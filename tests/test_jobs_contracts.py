@@ -11,9 +11,11 @@ G  a job submitted with an owner is no job to any other owner (status, result, e
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 from test_jobs_support import RedisServer, wait_for
 
 from server.backends import JobsBackend, _event
@@ -61,6 +63,42 @@ def _claimed(store: JobStore, job_id: str, owner: str | None = None) -> _Job:
     )
     assert claim.outcome == "claimed"
     return _Job(job_id, "tok")
+
+
+class _RefusingStore:
+    """A JobStore whose Redis refuses every connection until `back` is set, as one restarting
+    does (a refusal answers at once)."""
+
+    def __init__(self) -> None:
+        self.back, self.tries, self.written = threading.Event(), 0, threading.Event()
+
+    def finish_args(self, *args) -> list:
+        return list(args)
+
+    def run_scripts(self, calls: list) -> list:
+        self.tries += 1
+        if not self.back.is_set():
+            raise RedisConnectionError("Connection refused")
+        self.written.set()
+        return [1] * len(calls)
+
+
+def test_the_event_writer_waits_between_tries_while_redis_refuses_and_writes_once_it_is_back():
+    """It retries however long Redis is away, but does not spin: a refused connection answers at
+    once, and a loop without a wait tried thousands of times a second (red seen without it)."""
+    store = _RefusingStore()
+    writer = EventWriter(store)
+    try:
+        done = writer.finish(_Job("w1", "tok"), "done", {}, "", "stop")
+        wait_for(lambda: store.tries >= 2, 10, "a second try")
+        t0, tries0 = time.monotonic(), store.tries
+        wait_for(lambda: time.monotonic() - t0 >= 1.0, 5, "a second of outage")
+        assert store.tries - tries0 <= 20, store.tries - tries0  # waits grow to 0.5 s: a few tries a second
+        store.back.set()
+        assert done.result(10) is True
+    finally:
+        store.back.set()
+        writer.close()
 
 
 def test_logprobs_ride_the_token_events_and_stop_reason_the_final_one(store):

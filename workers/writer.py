@@ -14,6 +14,7 @@ reply from Redis writes nothing twice.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from workers.retry import Backoff
 from workers.store import JobStore
 
 log = logging.getLogger("tandem.jobs")
@@ -121,14 +123,19 @@ class EventWriter:
                 calls.append(("emit", args))
             else:
                 calls.append(("finish", item.args))
+        # Keep trying however long Redis is away: giving up would leave the job claimed by a live
+        # worker (its lease renewed) that no longer runs it. A refused connection or a Redis
+        # loading its AOF answers at once, so the tries wait between them, or they would spin.
+        backoff, tries = Backoff(0.05, budget_s=math.inf), 0
         while True:
             try:
                 results = self.store.run_scripts(calls)
                 break
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                # Keep trying however long Redis is away: giving up would leave the job claimed by
-                # a live worker (its lease renewed) that no longer runs it.
-                log.warning("redis unavailable for %d job writes (%s); still retrying", len(calls), exc)
+                tries += 1
+                if tries == 1 or tries % 20 == 0:
+                    log.warning("redis unavailable for %d job writes (%s); still retrying", len(calls), exc)
+                time.sleep(backoff.next_s())
             except Exception as exc:  # noqa: BLE001 - a script error: fail these jobs, not the writer
                 log.error("could not write %d job events: %s", len(calls), exc)
                 for item in batch:
