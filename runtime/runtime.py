@@ -227,7 +227,7 @@ class Runtime:
         return _cancellable(inner)
 
     def submit_detect_group(self, items: list, priority: int = 0, deadline_s: float | None = None) -> list:
-        """Queue images that belong together (a frame of each camera, workers/cameras.py) under
+        """Queue images that belong together (a frame of each camera, workers/cameras_mux.py) under
         one hold of the lock the loop schedules under, so no batch is released between them:
         they share a forward pass unless max_batch_size or a preferred batch size splits them.
         Per item its Future, or the exception that refused it (QueueFullError, ValueError), so

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.llm.sampling_params import SamplingParams
-from workers.http_errors import APIError  # the shape serve and streams share (protocol.APIError)
+from server.http_errors import APIError  # the shape serve and streams share (protocol.APIError)
 
 MAX_N = 16  # choices per request: each is its own job, so n multiplies the load
 MAX_LOGPROBS = 20  # vLLM's cap (OpenAI's is 5 for completions, 20 for chat)

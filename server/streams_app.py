@@ -43,11 +43,11 @@ _JSON_METHODS = ("POST", "PUT", "PATCH")
 
 
 def _error(status: int, message: str, param: str | None = None, type_: str | None = None, headers=None):
-    """serve's error shape (workers/http_errors.APIError): {"error": {"message", "type",
+    """serve's error shape (server/http_errors.APIError): {"error": {"message", "type",
     "param", "code"}}, so one client handles both services' errors."""
     from fastapi.responses import JSONResponse
 
-    from workers.http_errors import APIError
+    from server.http_errors import APIError
 
     types = {401: "authentication_error", 409: "conflict_error", 415: "invalid_request_error"}
     err = APIError(status, message, param, type_ or types.get(status), headers)

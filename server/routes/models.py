@@ -1,7 +1,7 @@
 """GET /v1/models and the model a request names: what live workers serve.
 
 Each live worker advertises the models it serves (its metrics payload's "models", published at
-every heartbeat, runtime/metrics.py); a model is listed while at least one live worker serves
+every heartbeat, workers/fleet_metrics.py); a model is listed while at least one live worker serves
 it. A request names a model by its served name, and the backend sends the job to that model's
 queue (workers.settings.model_queue), where any of its workers takes it: a model whose workers
 are all busy queues, one that nobody serves is 404.

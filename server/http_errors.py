@@ -1,8 +1,8 @@
 """The HTTP error shape every Tandem service answers with, OpenAI's:
 {"error": {"message", "type", "param", "code"}}.
 
-Here, below `server/`, so that `tandem serve` (server/protocol.py) and `tandem streams`
-(workers/cameras_http.py) share one shape and a client handles both services' errors alike.
+Both HTTP apps use it, `tandem serve` (server/protocol.py) and `tandem streams`
+(server/streams_app.py): one shape, so a client handles both services' errors alike.
 Pure Python: no FastAPI, no torch.
 """
 
