@@ -17,6 +17,7 @@ from benchmarks.step import add_arguments as add_step
 from benchmarks.streams import add_bench_streams_arguments
 from benchmarks.vision import add_bench_arguments as add_vision_bench
 from benchmarks.weight_kernels import add_arguments as add_weight_kernels
+from benchmarks.worker_start import add_arguments as add_worker_start
 from tandem.cli import int_list
 
 # The GPU checks keep their own parsers (they also run as `python -m benchmarks.gpu_kernels`).
@@ -55,6 +56,9 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
         bench.add_parser(
             "weight-kernels", help="the linear layers: oneDNN-packed vs torch's int4/int8 weight-only kernels"
         )
+    )
+    add_worker_start(
+        bench.add_parser("worker-start", help="a worker's start to ready: alone, through Redis restarts, on a busy CPU")
     )
     for name, module in GPU_CHECKS.items():
         bench.add_parser(name, help=f"GPU check (python -m {module} --help); exits 2 without CUDA", add_help=False)
@@ -109,6 +113,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
         from benchmarks.chaos import run_chaos
 
         return run_chaos(args)
+    if args.bench == "worker-start":
+        from benchmarks.worker_start import run as run_worker_start
+
+        return run_worker_start(args)
     if args.bench == "jobs":
         from benchmarks.jobs import run_jobs_bench
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -152,6 +153,11 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     from workers.app import app
 
+    # Celery sets up its logging only after worker_init, where the Runtime loads: without a
+    # handler of our own, the load's lines ("runtime ready in X s", the C++ attention op's build)
+    # went nowhere, and a slow start could not be told from a slow broker. Celery replaces this
+    # root handler with its own once it starts (worker_hijack_root_logger), so no line is doubled.
+    logging.basicConfig(level=args.loglevel.upper(), format="[%(asctime)s: %(levelname)s/%(processName)s] %(message)s")
     name = args.hostname or f"tandem-{'-'.join(queues)}-{os.getpid()}@%h"
     argv = [
         "worker",
