@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 
+from runtime.devices import checked_device  # torch loads when it checks a device
 from runtime.vision.detector import WEIGHTS, default_imgsz  # pathlib only
 from runtime.vision.flags import add_backend_argument, add_max_image_pixels_argument, max_image_pixels_option
 from server.streams_app import ControlServer, create_app  # FastAPI and uvicorn load when they start
@@ -227,7 +228,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
         "model": args.vision_model,
         "imgsz": args.imgsz or default_imgsz(args.vision_model),
         "conf": args.conf,
-        "device": _device(args.device),
+        "device": checked_device("--device", args.device),
         "backend": args.backend,
         "batching": {"max_batch_size": args.max_batch_size},
         "profile": not args.no_profile,
@@ -243,21 +244,6 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
         raise ValueError("--" + message if message.startswith(("classes", "device", "backend")) else message) from None
     security(args)  # last: a bad flag above is named first, whatever the key
     return urls, vision, redis_url
-
-
-def _device(device: str | None) -> str:
-    """As the LLM's --device: cuda where there is one, else the CPU; a device this machine lacks
-    is an error naming the flag and what it has (the LLM CLI's check: one rule for every
-    command's --device)."""
-    from runtime.llm.cli import device_problem
-    from runtime.vision.cli import default_device
-
-    if device is None:
-        return default_device()
-    problem = device_problem("--device", device)
-    if problem:
-        raise ValueError(problem)
-    return device
 
 
 def run_streams(args: argparse.Namespace) -> int:

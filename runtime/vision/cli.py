@@ -130,14 +130,6 @@ def class_ids(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--classes").lstrip(": ")) from None
 
 
-def default_device() -> str:
-    """The LLM's rule (runtime.llm.engine.EngineConfig.resolved_device): CUDA where torch sees
-    a GPU, else the CPU."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def quiet_opencv() -> None:
     """OpenCV logs every failed open of a camera or stream itself, several lines each time;
     the error lines already say what failed, once. (The CLI's choice: the library leaves
@@ -151,15 +143,12 @@ def quiet_opencv() -> None:
 
 
 def run_detect(args: argparse.Namespace) -> int:
-    from runtime.llm.cli import device_problem
+    from runtime.devices import checked_device
     from runtime.vision.config import VisionConfig, vision_batching
     from sources import SourceError, StreamConfig, load_source
 
     try:
-        device = args.device or default_device()
-        problem = device_problem("--device", device)
-        if problem:
-            raise ValueError(problem)
+        device = checked_device("--device", args.device)
         batching = vision_batching(max_batch_size=args.max_batch_size, max_queue_delay_ms=args.max_queue_delay_ms)
         config = VisionConfig(
             model=args.model,
