@@ -12,6 +12,12 @@ from celery import Celery, signals
 from workers.settings import JobSettings
 
 ROUTES = {"tandem.generate": {"queue": "llm"}, "tandem.detect": {"queue": "vision"}}
+# kombu's waits between tries of a broker connection that cannot be made (seconds): the first,
+# the step added after each try, the cap. Its defaults (2, 2, 30) made a worker that met a Redis
+# restart as its consumer connected wait 2, 4, 6... s: up to the last wait after Redis was back,
+# and that wait grows by 2 s with every try an outage lasts. Capped at 1 s, a worker is
+# consuming within a second of Redis coming back (benchmarks/worker_start.py).
+BROKER_RETRY = {"interval_start": 0.2, "interval_step": 0.2, "interval_max": 1.0}
 
 
 def celery_config(settings: JobSettings, *, results: bool = True) -> dict:
@@ -32,7 +38,10 @@ def celery_config(settings: JobSettings, *, results: bool = True) -> dict:
         # less per message on the path of every job, and no visibility timeout that would run
         # a long job a second time.
         "task_acks_late": False,
-        "broker_transport_options": {"ack_emulation": False, "socket_connect_timeout": 2},
+        "broker_transport_options": {"ack_emulation": False, "socket_connect_timeout": 2, **BROKER_RETRY},
+        # Celery's consumer calls kombu's retry loop with kombu's defaults, which no transport
+        # option reaches: this subclass passes BROKER_RETRY to it.
+        "worker_consumer": "workers.tasks:Consumer",
         "worker_prefetch_multiplier": 1,
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         "broker_connection_retry_on_startup": True,

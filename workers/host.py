@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -26,8 +27,12 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from runtime.metrics import runtime_payload
 from workers import fleet_metrics
+from workers.retry import Backoff, retry
 from workers.settings import JobSettings
 from workers.store import CANCEL_CHANNEL, Claim, JobStore
 from workers.writer import EventWriter
@@ -159,17 +164,41 @@ class WorkerHost:
     # ---- life ---------------------------------------------------------------------------------
 
     def start(self) -> WorkerHost:
-        self.store.retrying(lambda: self.store.heartbeat(self.worker_id), "heartbeat")
+        # The model loads whatever Redis does meanwhile: the lease used to be written first, so
+        # a Redis restart at the start held the load back until Redis answered. No job comes
+        # before this returns (Celery's consumer starts after worker_init), so the lease can wait
+        # for the end of the load; the lease thread sweeps for dead workers' jobs meanwhile.
         self._spawn(self._lease_loop, "tandem-lease")
         t0 = time.monotonic()
         self.runtime = self._factory()
         if getattr(self.runtime, "llm", None) is not None:
             self.model_name = served_model_name(self.runtime.llm.config.model)
         log.info("worker %s: runtime ready in %.1f s", self.worker_id, time.monotonic() - t0)
-        self._publish_metrics()  # now: `tandem serve` learns this worker's model at once
         self.writer = EventWriter(self.store)
         self._spawn(self._cancel_loop, "tandem-cancel")
+        self._register()
         return self
+
+    def _register(self) -> None:
+        """The lease, then the payload `tandem serve` counts as a live worker (it learns this
+        worker's model at once), tried again every 0.5 s at most for as long as Redis is away.
+        A worker that gave up here (a failed write raised out of worker_init) served on without
+        an event writer, and every job it took failed; one that waits is registered, and its
+        consumer started, within half a second of Redis coming back."""
+
+        def register() -> None:
+            self.store.heartbeat(self.worker_id)
+            self._publish_metrics()
+
+        def on_retry(exc: BaseException) -> None:
+            if not waited:
+                log.warning("worker %s: Redis unavailable (%s); registering once it is back", self.worker_id, exc)
+            waited.append(exc)
+
+        waited: list[BaseException] = []
+        retry(register, Backoff(0.02, until=math.inf), (RedisConnectionError, RedisTimeoutError), on_retry)
+        if waited:
+            log.warning("worker %s: registered after %d tries", self.worker_id, len(waited) + 1)
 
     def stop(self) -> None:
         """After Celery's warm shutdown: every task has returned."""

@@ -9,10 +9,13 @@ client's task becomes a job under its task id, with the same leases and stream.
 
 from __future__ import annotations
 
+from functools import partial
+
 from celery.exceptions import Ignore
+from celery.worker.consumer import Consumer as CeleryConsumer
 from celery.worker.control import inspect_command
 
-from workers.app import app
+from workers.app import BROKER_RETRY, app
 from workers.host import current_host
 from workers.jobs import Duplicate, JobCancelled, detect_body, generate_body, run_job
 
@@ -69,3 +72,15 @@ def tandem_fault(state, reason: str = "fault drill", **_) -> dict:
         return {"error": "this worker allows no fault drills (TANDEM_ALLOW_FAULTS=1)"}
     current_host().runtime.fail_loop(reason)
     return {"ok": True}
+
+
+class Consumer(CeleryConsumer):
+    """Celery's consumer (app.conf.worker_consumer), retrying a broker connection within a second
+    of Redis coming back (app.BROKER_RETRY) where Celery's own waits up to 30 s. Here, with the
+    tasks, because only a worker imports this module: clients of workers.app never pay for it."""
+
+    def ensure_connected(self, conn):
+        # Celery calls conn.ensure_connection(errback, max_retries, callback=...) and leaves
+        # the waits to kombu's defaults; the retry count and callbacks stay Celery's.
+        conn.ensure_connection = partial(conn.ensure_connection, **BROKER_RETRY)
+        return super().ensure_connected(conn)
