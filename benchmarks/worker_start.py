@@ -202,13 +202,11 @@ def one_run(case: str, model: str | None, args, folder: Path, index: int) -> dic
         for p in busy:
             p.kill()
             p.wait()
-        if worker is not None and worker.poll() is None:
-            worker.send_signal(signal.SIGTERM)  # Celery's warm shutdown
-            try:
-                worker.wait(30)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
+        if worker is not None:
+            # SIGKILL: its shutdown is not measured (a warm one took seconds a run), and what it
+            # leaves in Redis goes with the private Redis.
+            worker.kill()
+            worker.wait()
         server.stop()
         jobs.close()
     text = log_path.read_text(errors="replace")
