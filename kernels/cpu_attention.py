@@ -22,11 +22,12 @@ the padding of block tables to point at a zeroed block; this one needs neither.
 
 The C++ op is compiled on first use (torch.utils.cpp_extension, g++ and ninja), into
 $TANDEM_CACHE_DIR (or ~/.cache/tandem)/torch_extensions/<key>: the key names torch's version, the
-Python ABI, the SIMD level the op is compiled for and a hash of the CPU's flags and the
-compiler flags, so a cache shared between machines or environments never hands one a binary
-built for another. A cold build takes 10 to 25 s (one file, g++ -O3, two busy cores); loading
-it from the cache takes about 0.05 s. When the build fails (no compiler, no ninja), the ops run the torch implementation
-instead and say why once, in a RuntimeWarning. TANDEM_CPU_ATTENTION, read until the library is
+Python ABI, the SIMD level the op is compiled for and a hash of the CPU's flags, the
+compiler flags and the source's path, so a cache shared between machines, environments or
+checkouts never hands one a binary built for another, nor makes two take turns rebuilding it.
+A cold build takes 10 to 25 s (one file, g++ -O3, two busy cores); loading it from the cache
+takes about 0.05 s. When the build fails (no compiler, no ninja), the ops run the torch
+implementation instead and say why once, in a RuntimeWarning. TANDEM_CPU_ATTENTION, read until the library is
 loaded (so set it before the first call), picks the path: "auto" (default: C++ when it builds),
 "cpp" (C++ or raise) or "torch" (never build).
 
@@ -89,7 +90,10 @@ def _build_config() -> tuple[str, list[str]]:
     """(build directory, compiler flags)."""
     isa = torch.backends.cpu.get_cpu_capability()
     cflags = ["-O3", "-fopenmp", "-DNDEBUG", *_ISA_FLAGS.get(isa, [])]
-    digest = hashlib.sha256(f"{_cpu_flags()}|{' '.join(cflags)}".encode()).hexdigest()[:12]
+    # The source's path too: ninja rebuilds when the command it recorded changes, and two
+    # checkouts sharing one folder (a worker of each, one venv) rebuilt it at every start, for
+    # 12 to 69 s, each build holding the folder's lock against the other's workers.
+    digest = hashlib.sha256(f"{_cpu_flags()}|{' '.join(cflags)}|{_SOURCE}".encode()).hexdigest()[:12]
     root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
     key = f"torch-{torch.__version__}-{sys.implementation.cache_tag}-{isa.lower()}-{digest}"
     return os.path.join(root, "torch_extensions", _NAME, key), cflags
