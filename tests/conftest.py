@@ -1,8 +1,10 @@
 """Shared fixtures: the real SmolLM2 (converted once from its GGUF, then cached) and a tiny
-random Llama that uses SmolLM2's tokenizer, for fast tests."""
+random Llama that uses SmolLM2's tokenizer, for fast tests; for vision, the held-out shapes test
+set and the shipped detector's float32 predictions on it, made once a session."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -83,3 +85,62 @@ def calibrated_yolo():
     model = YOLO("yolo26n.yaml")
     calibrate(model.model, [cv2.imread(str(ASSETS / n)) for n in ("bus.jpg", "zidane.jpg")], VISION_IMGSZ)
     return model
+
+
+# The count the default dtype was measured on (runtime/vision/config.py).
+SHAPES_TEST_IMAGES = 200
+
+
+@pytest.fixture(scope="session")
+def shapes_test_set(tmp_path_factory) -> str:
+    """The held-out generated shapes test set (runtime/vision/synthetic.py, a seed training never
+    saw) at the shipped detector's input size, written once: every accuracy test of the session
+    scores on these same images."""
+    from runtime.vision import detector
+    from runtime.vision.synthetic import write_test_set
+
+    out = tmp_path_factory.mktemp("shapes-heldout")
+    write_test_set(out, SHAPES_TEST_IMAGES, detector.IMGSZ)
+    return str(out)
+
+
+class Float32Reference:
+    """The shipped detector's float32 predictions on the shapes test set and their mAP, per head
+    (end2end: the NMS-free head; else the one-to-many head with NMS), each run once a session on
+    first use: the accuracy tests compare their path against it instead of running float32
+    again (a pass over the set is 5 to 8 s on two cores). Run as `evaluate.evaluate_engine` runs
+    a config: in a VisionEngine of its own, at conf EVAL_CONF. Callers get copies."""
+
+    def __init__(self, test_set: str) -> None:
+        self.test_set = test_set
+        self._runs: dict[bool, tuple[dict, dict]] = {}
+
+    @staticmethod
+    def config(end2end: bool = True):
+        from runtime.vision import detector
+        from runtime.vision.config import VisionConfig
+
+        return VisionConfig(model=str(detector.WEIGHTS), imgsz=detector.IMGSZ, dtype="float32", end2end=end2end)
+
+    def _run(self, end2end: bool) -> tuple[dict, dict]:
+        if end2end not in self._runs:
+            from runtime.vision import detector
+            from runtime.vision import evaluate as ev
+
+            preds = ev.engine_predictions(self.config(end2end), self.test_set)
+            scores = ev.evaluate(preds, self.test_set, names=dict(enumerate(detector.CLASSES)))
+            self._runs[end2end] = preds, scores
+        return self._runs[end2end]
+
+    def predictions(self, end2end: bool = True) -> dict:
+        """Image key -> evaluate.ImagePredictions."""
+        return copy.deepcopy(self._run(end2end)[0])
+
+    def map(self, end2end: bool = True) -> dict:
+        """As `evaluate.evaluate` returns it: {"map50_95", "map50", "images", ...}."""
+        return copy.deepcopy(self._run(end2end)[1])
+
+
+@pytest.fixture(scope="session")
+def float32_reference(shapes_test_set) -> Float32Reference:
+    return Float32Reference(shapes_test_set)

@@ -7,86 +7,72 @@ they keep it (issue 11): measured with runtime/vision/evaluate.py on held-out ge
 - the default dtype ("auto": bfloat16 on CPUs with native bf16, as this kind of machine has)
   stays within 0.5 mAP points of float32;
 - and the demo's output names the shapes that were drawn.
+
+The test set and the float32 reference on it are the session's (tests/conftest.py), which
+tests/test_vision_backends.py scores its exported backends against too.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import SHAPES_TEST_IMAGES
 
 from runtime.vision import detector
 from runtime.vision import evaluate as ev
 from runtime.vision.config import VisionConfig
-from runtime.vision.synthetic import write_test_set
 
 MAX_DROP = 0.005  # 0.5 mAP points
-IMAGES = 200  # the count the default dtype was measured on (runtime/vision/config.py)
 
 
 @pytest.fixture(scope="module")
-def test_set(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("shapes-heldout")
-    write_test_set(out, IMAGES, detector.IMGSZ)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def float32_map(test_set) -> dict:
-    return ev.evaluate_engine(
-        VisionConfig(model=str(detector.WEIGHTS), imgsz=detector.IMGSZ, dtype="float32"), test_set
-    )
+def float32_map(float32_reference) -> dict:
+    return float32_reference.map()
 
 
 def test_shipped_detector_is_trained(float32_map):
     assert detector.WEIGHTS.is_file(), f"the shipped detector is missing: {detector.WEIGHTS}"
     assert detector.WEIGHTS.stat().st_size < 12 * 2**20  # a few MB, as shipped
-    assert float32_map["images"] == IMAGES
+    assert float32_map["images"] == SHAPES_TEST_IMAGES
     # Random weights score ~0; the trained detector scored ~0.8 on its val split at the end of training.
     assert float32_map["map50_95"] > 0.6 and float32_map["map50"] > 0.85, float32_map
 
 
-def test_float32_matches_ultralytics_predict(test_set, float32_map):
+def test_float32_matches_ultralytics_predict(shapes_test_set, float32_map):
     """The same weights through Ultralytics' predict (end-to-end head, square inputs, conf
     0.001), scored by the same evaluator: the same mAP to float rounding."""
     from ultralytics import YOLO
 
     model = YOLO(str(detector.WEIGHTS))
-    paths = ev.image_files(test_set)
+    paths = ev.image_files(shapes_test_set)
     preds = {}
     for path in paths:
         r = model.predict(
             str(path), imgsz=detector.IMGSZ, conf=ev.EVAL_CONF, max_det=300, device="cpu", verbose=False, nms=False
         )[0]  # the end-to-end head, which Tandem runs by default
-        preds[ev.image_key(test_set, "test", path)] = {
+        preds[ev.image_key(shapes_test_set, "test", path)] = {
             "boxes": r.boxes.xyxy.numpy(),
             "conf": r.boxes.conf.numpy(),
             "cls": r.boxes.cls.numpy(),
         }
-    theirs = ev.evaluate(preds, test_set)
+    theirs = ev.evaluate(preds, shapes_test_set)
     assert theirs["map50_95"] == pytest.approx(float32_map["map50_95"], abs=2e-3), (theirs, float32_map)
 
 
-def test_default_fast_path_keeps_map_within_half_a_point(test_set, float32_map):
-    config = VisionConfig(model=str(detector.WEIGHTS), imgsz=detector.IMGSZ)
+@pytest.mark.parametrize("end2end", [True, False], ids=["end2end-head", "nms-head"])
+def test_default_fast_path_keeps_map_within_half_a_point(shapes_test_set, float32_reference, end2end):
+    """Either head in the default dtype against float32 on the same images. Before the box
+    regression convs were kept in float32 (model.box_convs_in_float32), bfloat16 cost the
+    one-to-many head + NMS 1.24 points."""
+    config = VisionConfig(model=str(detector.WEIGHTS), imgsz=detector.IMGSZ, end2end=end2end)
     assert config.dtype == "auto"
-    fast = ev.evaluate_engine(config, test_set)
-    drop = float32_map["map50_95"] - fast["map50_95"]
-    assert drop <= MAX_DROP, (
-        f"dtype auto -> {config.resolved_dtype()} loses {drop * 100:.2f} mAP points against float32 "
-        f"({fast['map50_95']:.4f} vs {float32_map['map50_95']:.4f}); the limit for a default is 0.5"
-    )
-
-
-def test_default_fast_path_keeps_the_nms_head_within_half_a_point_too(test_set):
-    """The one-to-many head + NMS in the default dtype against float32. Before the box
-    regression convs were kept in float32 (model.box_convs_in_float32), bfloat16 cost this
-    head 1.24 points."""
-    base = dict(model=str(detector.WEIGHTS), imgsz=detector.IMGSZ, end2end=False)
-    ref = ev.evaluate_engine(VisionConfig(dtype="float32", **base), test_set)
-    fast = ev.evaluate_engine(VisionConfig(**base), test_set)
+    ref = float32_reference.map(end2end)
+    fast = ev.evaluate_engine(config, shapes_test_set)
     drop = ref["map50_95"] - fast["map50_95"]
+    head = "end-to-end head" if end2end else "NMS head"
     assert drop <= MAX_DROP, (
-        f"NMS head, dtype auto: -{drop * 100:.2f} mAP points ({fast['map50_95']:.4f} vs {ref['map50_95']:.4f})"
+        f"{head}, dtype auto -> {config.resolved_dtype()} loses {drop * 100:.2f} mAP points against float32 "
+        f"({fast['map50_95']:.4f} vs {ref['map50_95']:.4f}); the limit for a default is 0.5"
     )
 
 

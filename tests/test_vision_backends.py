@@ -2,7 +2,8 @@
 Ultralytics' own export of the shipped detector's weights behind the same letterbox and
 postprocess as torch, so they must give torch float32's boxes to float rounding, hold mAP on
 the held-out set within 0.5 points (the rule for every fast path, tests/test_vision_accuracy.py),
-and be exported once per cache key.
+and be exported once per cache key. The held-out set and torch float32's mAP on it are the
+session's (tests/conftest.py), shared with tests/test_vision_accuracy.py.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from runtime.vision import backends, detector
 from runtime.vision import evaluate as ev
 from runtime.vision.config import VisionConfig
 from runtime.vision.runner import YoloRunner
-from runtime.vision.synthetic import write_test_set
 
 MAX_DROP = 0.005  # 0.5 mAP points
-IMAGES = 200
 EXPORTED = ("onnxruntime", "openvino")
 
 
@@ -32,13 +31,6 @@ def cache_dir(tmp_path_factory):
     mp.setenv("TANDEM_CACHE_DIR", str(path))
     yield path
     mp.undo()
-
-
-@pytest.fixture(scope="module")
-def test_set(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("shapes-heldout")
-    write_test_set(out, IMAGES, detector.IMGSZ)
-    return str(out)
 
 
 def _config(backend: str) -> VisionConfig:
@@ -56,10 +48,10 @@ def _predict_map(runner: YoloRunner, test_set: str) -> float:
 
 
 @pytest.mark.parametrize("backend", EXPORTED)
-def test_exported_backend_gives_torch_float32_boxes(runners, test_set, backend):
+def test_exported_backend_gives_torch_float32_boxes(runners, shapes_test_set, backend):
     import cv2
 
-    images = [cv2.imread(str(p)) for p in ev.image_files(test_set)[:16]]
+    images = [cv2.imread(str(p)) for p in ev.image_files(shapes_test_set)[:16]]
     # Rect letterboxing: a cropped image gives a non-square input, which the dynamic export must take.
     images.append(np.ascontiguousarray(images[0][:200]))
     ref = runners["torch"].predict(images)
@@ -74,10 +66,10 @@ def test_exported_backend_gives_torch_float32_boxes(runners, test_set, backend):
 
 
 @pytest.mark.parametrize("backend", EXPORTED)
-def test_exported_backend_keeps_map_within_half_a_point(runners, test_set, backend):
-    float32 = _predict_map(runners["torch"], test_set)
+def test_exported_backend_keeps_map_within_half_a_point(runners, shapes_test_set, float32_reference, backend):
+    float32 = float32_reference.map()["map50_95"]  # torch float32, the same head (end-to-end)
     assert float32 > 0.6  # a trained detector, not noise
-    got = _predict_map(runners[backend], test_set)
+    got = _predict_map(runners[backend], shapes_test_set)
     assert float32 - got <= MAX_DROP, f"{backend}: mAP50-95 {got:.4f} vs torch float32 {float32:.4f}"
 
 
