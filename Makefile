@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.tandem-installed
 
-.PHONY: demo test test-busy lint bench-scheduler setup
+.PHONY: demo test test-busy coverage lint bench-scheduler setup
 
 setup: $(STAMP)
 
@@ -34,6 +34,12 @@ test: $(STAMP)
 	  apt-get update -qq && apt-get install -y -qq $$need; \
 	}
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+
+# Line coverage of the product packages over the whole suite (in-process code only: what the
+# worker and server processes the tests start run is not counted).
+COV := $(foreach p,runtime schedulers kernels workers sources server tandem,--cov=$(p))
+coverage: $(STAMP)
+	$(MAKE) test PYTEST_ARGS="$(COV) --cov-report=term $(PYTEST_ARGS)"
 
 # The suite on a busy machine: a busy loop per core at the lowest priority (nice 19) for as long
 # as the tests run, as a package install or another job would load a shared CI machine. Tests
