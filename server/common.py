@@ -38,7 +38,7 @@ class ServeConfig:
     # trickles its body, or never ends a chunked one, would hold the request open forever).
     body_timeout_s: float = 30.0
     # A connection that has not sent a request's headers this long after it opened (or after its
-    # previous answer) is closed (server/cli.py's protocol guard; uvicorn has no such limit).
+    # previous answer) is closed (server/h11_guard.py; uvicorn has no such limit).
     header_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:

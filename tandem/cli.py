@@ -11,7 +11,7 @@ import sys
 # These modules keep torch out of their top level, so building the parser stays cheap.
 from runtime.llm.flags import add_llm_arguments
 from runtime.vision.cli import add_detect_arguments
-from server.cli import add_serve_arguments  # TEMP until the move
+from tandem.serve_cli import add_serve_arguments
 from tandem.streams_cli import add_streams_arguments
 from workers.worker import add_worker_arguments
 
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_streams(args)
     if args.command == "serve":
-        from server.cli import run_serve
+        from tandem.serve_cli import run_serve
 
         return run_serve(args)
     return 2

@@ -63,7 +63,7 @@ def test_one_keys_job_is_no_job_to_another_key(client):
 def test_the_cli_refuses_an_empty_key_between_commas(monkeypatch):
     import argparse
 
-    from server.cli import api_key
+    from tandem.serve_cli import api_key
 
     monkeypatch.delenv("TANDEM_API_KEY", raising=False)
     assert api_key(argparse.Namespace(api_key="a,b")) == "a,b"

@@ -272,7 +272,7 @@ def test_an_api_key_guards_every_endpoint_but_health():
 def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
     import argparse
 
-    from server.cli import api_key
+    from tandem.serve_cli import api_key
 
     monkeypatch.delenv("TANDEM_API_KEY", raising=False)
     assert api_key(argparse.Namespace(api_key=None)) is None
