@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=None, help="both contestants' threads (default: torch's)")
     p.add_argument("--llamacpp-python", default=LLAMACPP_PYTHON, help="the peer venv's Python")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Tandem's model: an HF folder or .gguf (default: the bundled SmolLM2 GGUF); llama.cpp always "
+        "reads the bundled GGUF, so the comparison means something only with the default (a tiny model: tests)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
 
@@ -69,7 +75,7 @@ def _median_row(name: str, precision: str, runs: list[dict], extra: dict) -> dic
     }
 
 
-def run_tandem(spec: str, data: dict, threads: int) -> dict:
+def run_tandem(spec: str, data: dict, threads: int, model: str | None = None) -> dict:
     """One sequence at a time through LLMEngine, its token times taken as each step streams them.
     `spec`: a dtype, or "<dtype>-int4" for 4-bit weights."""
     import torch
@@ -88,6 +94,7 @@ def run_tandem(spec: str, data: dict, threads: int) -> dict:
     t = time.perf_counter()
     engine = LLMEngine(
         EngineConfig(
+            model=model,
             dtype=dtype,
             device="cpu",
             max_num_seqs=1,
@@ -165,7 +172,7 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from runtime.llm.loader import resolve_hf_dir
 
-    hf_dir, _ = resolve_hf_dir(None)
+    hf_dir, _ = resolve_hf_dir(args.model)
     vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
     prompts = random_prompts(args.runs + 1, args.prompt_len, vocab, f"{args.seed}-single")
     data = {"warmup": prompts[0], "prompts": prompts[1:], "max_tokens": args.max_tokens}
@@ -177,7 +184,7 @@ def run(args) -> int:
     )
     rows = []
     for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
-        rows.append(run_tandem(dtype, data, threads))
+        rows.append(run_tandem(dtype, data, threads, args.model))
         print(f"  {rows[-1]['contestant']}: decode {rows[-1]['decode_tokens_per_s']:.1f} tok/s", flush=True)
     peer, reason = run_llamacpp(args, data, threads, out)
     if peer is not None:
@@ -201,6 +208,7 @@ def run(args) -> int:
     report = {
         "cpu_flags": flags,
         "threads": threads,
+        "model": hf_dir,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
         "runs": args.runs,

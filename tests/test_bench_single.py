@@ -1,18 +1,15 @@
-"""`python -m benchmarks single`: Tandem's one-sequence figures on the real SmolLM2, and the
-report it writes; without the llama.cpp peer it says why, and still writes its own rows."""
+"""`python -m benchmarks single`: Tandem's one-sequence figures (on the tiny random Llama here),
+and the report it writes; without the llama.cpp peer it says why, and still writes its own rows."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmarks import cli
 from benchmarks.single import summarize
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
@@ -23,30 +20,17 @@ def test_summarize_splits_prefill_from_decode():
     assert s["decode_tokens_per_s"] == pytest.approx(3 / 0.4) and s["tokens"] == 4
 
 
-def test_a_run_without_the_peer_reports_tandem_and_names_what_is_missing(tmp_path):
+def test_a_run_without_the_peer_reports_tandem_and_names_what_is_missing(tmp_path, tiny_llama_dir, capsys):
+    # In this process, on the tiny random Llama: the report's shape and the missing peer's
+    # message do not depend on the model (the real SmolLM2's load was most of a minute here).
     missing = tmp_path / "no-such-venv" / "bin" / "python"
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks",
-        "single",
-        "--prompt-len",
-        "16",
-        "--max-tokens",
-        "6",
-        "--runs",
-        "1",
-        "--dtypes",
-        "float32",
-        "--llamacpp-python",
-        str(missing),
-        "--out",
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "CPU flags:" in proc.stdout and f"no llama.cpp Python at {missing}" in proc.stdout
+    argv = ["single", "--prompt-len", "16", "--max-tokens", "6", "--runs", "1", "--dtypes", "float32"]
+    argv += ["--model", tiny_llama_dir, "--llamacpp-python", str(missing), "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "CPU flags:" in stdout and f"no llama.cpp Python at {missing}" in stdout
     report = json.loads((tmp_path / "single.json").read_text())
+    assert report["model"] == tiny_llama_dir
     (row,) = report["rows"]
     assert row["contestant"] == "tandem float32" and row["precision"].startswith("float32")
     assert [r["tokens"] for r in row["runs"]] == [6]
