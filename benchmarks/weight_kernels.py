@@ -41,6 +41,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,4,16", help="comma-separated decode batch sizes")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated activation dtypes")
     p.add_argument("--iters", type=int, default=10, help="timed passes over all the layers per kernel (median)")
+    p.add_argument(
+        "--copies",
+        type=int,
+        default=None,
+        help="layers of each kind per forward (default: the model's, 30 and one lm_head); 1: every shape "
+        "once, a smoke run whose weights stay in cache",
+    )
+    p.add_argument(
+        "--layers",
+        default=",".join(SMOLLM2_LINEARS),
+        help="comma-separated layer kinds to run (default all; lm_head's 28 M weights take seconds to quantize)",
+    )
     p.add_argument("--out", default="bench_out")
 
 
@@ -119,6 +131,16 @@ def run(args) -> int:
 
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if args.copies is not None and args.copies < 1:
+        print(f"--copies must be >= 1, got {args.copies}", file=sys.stderr)
+        return 2
+    names = [n.strip() for n in args.layers.split(",") if n.strip()]
+    if not names or set(names) - set(SMOLLM2_LINEARS):
+        print(f"--layers must name some of {', '.join(SMOLLM2_LINEARS)}, got {args.layers!r}", file=sys.stderr)
+        return 2
+    layer_kinds = {
+        n: (k, o, min(count, args.copies or count)) for n, (k, o, count) in SMOLLM2_LINEARS.items() if n in names
+    }
     flags = cpu_flags()
     print(f"CPU flags: {flags}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     rows = []
@@ -127,9 +149,7 @@ def run(args) -> int:
         for m in batches:
             # Every layer gets weights of its own, as in the model: a pass reads them all once,
             # from memory rather than cache, which is what a decode step pays.
-            layers = [
-                _kernels(k, n, m, dtype, seed=i) for k, n, count in SMOLLM2_LINEARS.values() for i in range(count)
-            ]
+            layers = [_kernels(k, n, m, dtype, seed=i) for k, n, count in layer_kinds.values() for i in range(count)]
             total: dict[str, float] = {}
             worst: dict[str, float] = {}
             for name in layers[0]:
@@ -149,7 +169,12 @@ def run(args) -> int:
                         "max_rel_error": worst[name],
                     }
                 )
-    print(f"\nall {sum(c for *_, c in SMOLLM2_LINEARS.values())} linear layers of SmolLM2-135M, one forward:")
+    num_layers = sum(c for *_, c in layer_kinds.values())
+    if layer_kinds == SMOLLM2_LINEARS:
+        what = f"all {num_layers} linear layers of SmolLM2-135M"
+    else:
+        what = f"{num_layers} of SmolLM2-135M's linear layers ({', '.join(f'{c} {n}' for n, (*_, c) in layer_kinds.items())})"
+    print(f"\n{what}, one forward:")
     print(f"{'dtype':9s} {'batch':>5s}  {'kernel':18s} {'ms':>8s}  {'speed vs oneDNN':>15s}  {'max rel error':>13s}")
     for r in rows:
         print(
@@ -163,7 +188,7 @@ def run(args) -> int:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "group_size": GROUP,
-        "layers": SMOLLM2_LINEARS,
+        "layers": layer_kinds,
         "rows": rows,
     }
     (out / "weight_kernels.json").write_text(json.dumps(report, indent=2))
