@@ -8,17 +8,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import cli
 from benchmarks import llm as bench
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 49152
 
 
@@ -209,43 +207,21 @@ def test_a_crashing_contestant_becomes_an_error_with_the_end_of_its_log(tmp_path
 # ---------------------------------------------------------------- end to end
 
 
-def test_quick_run_measures_both_tandem_schedulers_in_their_own_processes(tmp_path, tiny_llama_dir):
+def test_quick_run_measures_both_tandem_schedulers_in_their_own_processes(tmp_path, tiny_llama_dir, capsys):
+    # The bench itself in this process; each contestant in its own, as always.
     out = tmp_path / "bench"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "tandem",
-        "bench",
-        "llm",
-        "--quick",
-        "--no-vllm",
-        "--dtypes",
-        "float32",
-        "--traces",
-        "short,poisson",
-        "--num-requests",
-        "3",
-        "--rate",
-        "50",
-        "--kv-cache-gib",
-        "1",
-        "--model",
-        tiny_llama_dir,
-        "--max-model-len",
-        "512",
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    argv = ["llm", "--quick", "--no-vllm", "--dtypes", "float32", "--traces", "short,poisson"]
+    argv += ["--num-requests", "3", "--rate", "50", "--kv-cache-gib", "1", "--model", tiny_llama_dir]
+    rc = cli.main([*argv, "--max-model-len", "512", "--out", str(out)])
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout[-3000:]
     report = json.loads((out / "llm.json").read_text())
     assert report["vllm"]["status"] == "not run: --no-vllm"
-    assert "vLLM: not run: --no-vllm" in proc.stdout
+    assert "vLLM: not run: --no-vllm" in stdout
     # an HF folder has no GGUF for llama.cpp to read, and the run says so
     assert report["llamacpp"]["status"].startswith("not run: ")
-    assert f"llama.cpp: {report['llamacpp']['status']}" in proc.stdout
-    assert report["cpu"]["flags"] and f"flags {report['cpu']['flags']}" in proc.stdout
+    assert f"llama.cpp: {report['llamacpp']['status']}" in stdout
+    assert report["cpu"]["flags"] and f"flags {report['cpu']['flags']}" in stdout
     assert {r["precision"] for r in report["rows"]} == {"float32"}
     traces = json.loads((out / "llm_traces.json").read_text())
     asked = {t: sum(r["max_tokens"] for r in traces["traces"][t]["requests"]) for t in ("short", "poisson")}
@@ -263,5 +239,5 @@ def test_quick_run_measures_both_tandem_schedulers_in_their_own_processes(tmp_pa
     assert len(set(logs.values())) == 2 and all(Path(p).exists() for p in logs.values())
     assert "floor" in report and "float32" in report["floor"]
     floor = report["floor"]["float32"]
-    assert ("error" in floor) == ("not measured" in proc.stdout)
+    assert ("error" in floor) == ("not measured" in stdout)
     assert (out / "llm.png").stat().st_size > 0
