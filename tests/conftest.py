@@ -144,3 +144,16 @@ class Float32Reference:
 @pytest.fixture(scope="session")
 def float32_reference(shapes_test_set) -> Float32Reference:
     return Float32Reference(shapes_test_set)
+
+
+@pytest.fixture(scope="session")
+def shared_fleet(tmp_path_factory, tiny_llama_dir):
+    """The session's redis-server, worker, `tandem serve` and `tandem serve --embedded` on the
+    tiny Llama (tests/fleet_support.py), each started on first use, stopped at the session's end."""
+    from fleet_support import SharedFleet
+
+    fleet = SharedFleet(tmp_path_factory.mktemp("fleet"), tiny_llama_dir)
+    try:
+        yield fleet
+    finally:
+        fleet.stop()

@@ -15,9 +15,10 @@ import time
 import httpx
 import pytest
 from bad_requests import CASES
+from fleet_support import ServeProcess
 from sse_readers import data_lines, strip_then_split
 from test_jobs_support import RedisServer, WorkerProcess, tiny_worker_args, wait_for
-from test_serve import ServeProcess, sse
+from test_serve import sse
 
 from server.common import KEEPALIVE
 from workers.app import make_app

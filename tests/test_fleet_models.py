@@ -11,8 +11,9 @@ import httpx
 import openai
 import pytest
 import redis
+from fleet_support import ServeProcess
 from test_jobs_support import RedisServer, WorkerProcess, wait_for
-from test_serve import ServeProcess, metric, scrape
+from test_serve import metric, scrape
 
 from workers.app import make_app
 from workers.settings import JobSettings, model_queue

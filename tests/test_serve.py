@@ -1,15 +1,19 @@
 """`tandem serve` against real clients (GitHub issue 9): the official `openai` package and raw
 httpx, over a real redis-server and real `tandem worker` processes; one embedded server too.
 
-    main     redis + one worker (the tiny random Llama on llm, YOLO26n at imgsz 160 on vision,
-             two task threads, so that a third job waits in Redis) + `tandem serve`
-             (--max-body-bytes 256 KiB) + a second `tandem serve` with --max-queued 1
+    main     the session's shared fleet (tests/fleet_support.py): redis + one worker (the tiny
+             random Llama on llm, YOLO26n at imgsz 160 on vision, two task threads, so that a
+             third job waits in Redis) + `tandem serve` (--max-body-bytes 256 KiB); and this
+             module's second and third `tandem serve` over it, with --max-queued 1 and --api-key
     smol     redis + a worker on the real SmolLM2 + `tandem serve`: answers a model must mean
-    embedded `tandem serve --embedded` on the tiny Llama, its Redis URL pointing at nothing
+    embedded the session's `tandem serve --embedded` on the tiny Llama, its Redis URL pointing
+             at nothing
 
-Every process starts once per module, all at once (their start-up overlaps), and each test
-waits only for the parts it uses. Workers publish metrics every TANDEM_HEARTBEAT_S = 0.5 s,
-so what /metrics should show is waited for, never asserted at once.
+This module's processes and the shared ones it needs start at once (their start-up overlaps),
+and each test waits only for the parts it uses. The fleet is shared: a test looks only at the
+jobs it made (ids new since it looked), and leaves the worker idle. Workers publish metrics
+every TANDEM_HEARTBEAT_S = 0.5 s, so what /metrics should show is waited for, never asserted
+at once.
 """
 
 from __future__ import annotations
@@ -17,12 +21,7 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
-import shutil
-import signal
 import socket
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -30,132 +29,39 @@ import httpx
 import openai
 import pytest
 import redis
-from test_jobs_support import REPO, RedisServer, WorkerProcess, free_port, wait_for
+from fleet_support import FLEET_MAX_BODY, FLEET_WORKER, ServeProcess, SharedFleet, model_ids, stop_all
+from test_jobs_support import RedisServer, WorkerProcess, wait_for
 
 from workers.app import make_app
 from workers.settings import JobSettings
 from workers.store import job_key
 
 pytestmark = pytest.mark.slow
-MAX_BODY = 256 << 10  # bus.jpg (137 kB) fits, as base64 too
+MAX_BODY = FLEET_MAX_BODY  # bus.jpg (137 kB) fits, as base64 too
 WORKER_ENV = {"TANDEM_HEARTBEAT_S": "0.5"}  # /metrics lags a worker by one heartbeat
 DETECT_KEYS = {"source", "frame", "boxes", "conf", "cls", "names", "error"}
 FINAL = ("done", "failed", "cancelled")
 API_KEY = "serve-test-key"
 
 
-class ServeProcess:
-    """`python -m tandem serve --port 0 ...` with its log in a file; `wait_ready` reads the
-    URL it printed and waits for /health to answer."""
-
-    def __init__(self, name: str, log_dir: Path, args: list[str], env: dict | None = None) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        full_env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONUNBUFFERED": "1",
-            **(env or {}),
-        }
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem", "serve", "--host", "127.0.0.1", "--port", "0", *args],
-            cwd=REPO,
-            env=full_env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        self.url = ""
-
-    def wait_ready(self, timeout: float = 120) -> ServeProcess:
-        if self.url:
-            return self
-
-        def listening():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.name} exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
-            m = re.search(r"listening on (http://\S+)", self.log())
-            return m and m.group(1)
-
-        url = wait_for(listening, timeout, f"{self.name} to print its URL", interval=0.1)
-        wait_for(lambda: _answers(url + "/health"), 30, f"{self.name} to answer /health", interval=0.05)
-        self.url = url
-        return self
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 class Stack:
-    """The processes of this module; `main()`, `smol()` and `embedded()` wait for their part."""
+    """The session's shared fleet (tests/fleet_support.py) and this module's own processes;
+    `main()`, `smol()` and `embedded()` wait for their part."""
 
-    def __init__(self, tmp: Path, tiny_dir: str, smol_dir: str) -> None:
-        self.tmp, self.tiny_dir, self.smol_dir = tmp, tiny_dir, smol_dir
-        self.images = tmp / "images"
+    def __init__(self, fleet: SharedFleet, tmp: Path, smol_dir: str) -> None:
+        self.fleet, self.tmp, self.smol_dir = fleet, tmp, smol_dir
         self.model = ""
         self._ready: set[str] = set()
         self._started: list = []
 
     def start(self) -> Stack:
-        from ultralytics.utils import ASSETS
-
-        tmp, tiny_dir = self.tmp, self.tiny_dir
-        self.images.mkdir()
-        shutil.copy(ASSETS / "bus.jpg", self.images / "bus.jpg")
+        fleet, tmp = self.fleet.start(), self.tmp
+        self.fleet.start_embedded()
+        self.images, self.redis, self.celery = fleet.images, fleet.redis, fleet.celery
+        self.worker, self.server = fleet.worker, fleet.server
         (tmp / "smol").mkdir()
-        self.redis = self._add(RedisServer(tmp).start())
         self.smol_redis = self._add(RedisServer(tmp / "smol").start())
         self.r = redis.Redis.from_url(self.redis.url, decode_responses=True)
-        self.celery = make_app(JobSettings(redis_url=self.redis.url))
-        self.worker = self._add(
-            WorkerProcess(
-                "main@serve",
-                self.redis.url,
-                tmp,
-                [
-                    "--queues",
-                    "llm,vision",
-                    "--dtype",
-                    "float32",
-                    "--model",
-                    tiny_dir,
-                    "--max-num-seqs",
-                    "4",
-                    "--concurrency",
-                    "2",
-                    "--kv-cache-bytes",
-                    str(64 << 20),
-                    "--imgsz",
-                    "160",
-                    "--vision-max-batch-size",
-                    "1",
-                ],
-                env={**WORKER_ENV, "TANDEM_ALLOWED_ROOTS": str(self.images)},
-            )
-        )
         self.smol_worker = self._add(
             WorkerProcess(
                 "smol@serve",
@@ -183,32 +89,9 @@ class Stack:
             )
         )
         redis_args = ["--redis-url", self.redis.url]
-        self.server = self._add(ServeProcess("serve", tmp, [*redis_args, "--max-body-bytes", str(MAX_BODY)]))
         self.busy_server = self._add(ServeProcess("serve-busy", tmp, [*redis_args, "--max-queued", "1"]))
         self.key_server = self._add(ServeProcess("serve-key", tmp, [*redis_args, "--api-key", API_KEY]))
         self.smol_server = self._add(ServeProcess("serve-smol", tmp, ["--redis-url", self.smol_redis.url]))
-        nowhere = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-        self.embedded_server = self._add(
-            ServeProcess(
-                "serve-embedded",
-                tmp,
-                [
-                    "--embedded",
-                    "--queues",
-                    "llm",
-                    "--dtype",
-                    "float32",
-                    "--model",
-                    tiny_dir,
-                    "--max-num-seqs",
-                    "4",
-                    "--kv-cache-bytes",
-                    str(64 << 20),
-                    "--no-profile",
-                ],
-                env={"TANDEM_REDIS_URL": nowhere},
-            )
-        )
         return self
 
     def _add(self, proc):
@@ -217,9 +100,7 @@ class Stack:
 
     def main(self) -> Stack:
         if "main" not in self._ready:
-            self.worker.wait_ready(self.celery)
-            self.server.wait_ready()
-            self.model = wait_for(lambda: _model_ids(self.server.url), 30, "the worker's model in /v1/models")[0]
+            self.model = self.fleet.ready().model
             self._ready.add("main")
         return self
 
@@ -227,12 +108,12 @@ class Stack:
         if "smol" not in self._ready:
             self.smol_worker.wait_ready(make_app(JobSettings(redis_url=self.smol_redis.url)))
             self.smol_server.wait_ready()
-            wait_for(lambda: _model_ids(self.smol_server.url), 30, "smollm2 in /v1/models")
+            wait_for(lambda: model_ids(self.smol_server.url), 30, "smollm2 in /v1/models")
             self._ready.add("smol")
         return self.smol_server
 
     def embedded(self) -> ServeProcess:
-        return self.embedded_server.wait_ready()
+        return self.fleet.embedded()
 
     def client(self, server: ServeProcess | None = None) -> openai.OpenAI:
         # No retries: a 503 or 504 must reach the test, not be retried away by the SDK.
@@ -246,24 +127,14 @@ class Stack:
         return self.r.hgetall(job_key(job_id))
 
     def stop(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        servers = [p for p in self._started if isinstance(p, ServeProcess)]
-        workers = [p for p in self._started if isinstance(p, WorkerProcess)]
-        for group in (servers, workers, [p for p in self._started if isinstance(p, RedisServer)]):
-            with ThreadPoolExecutor(max(1, len(group))) as pool:  # each group's shutdowns overlap
-                list(pool.map(lambda p: p.stop(), group))
+        stop_all(self._started)
         if hasattr(self, "r"):
             self.r.close()
 
 
-def _model_ids(url: str) -> list[str]:
-    return [m["id"] for m in httpx.get(url + "/v1/models", timeout=5).json()["data"]]
-
-
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_llama_dir, smollm2_dir):
-    s = Stack(tmp_path_factory.mktemp("serve"), tiny_llama_dir, smollm2_dir)
+def stack(shared_fleet, tmp_path_factory, smollm2_dir):
+    s = Stack(shared_fleet, tmp_path_factory.mktemp("serve"), smollm2_dir)
     try:
         yield s.start()
     finally:
@@ -642,10 +513,10 @@ def test_an_oversized_body_is_413_declared_or_chunked(env):
 
 def test_the_same_job_id_with_other_arguments_is_409(env):
     url = env.server.url + "/v1/jobs"
-    first = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, "job_id": "same-id-409"}, timeout=10)
-    again = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, "job_id": "same-id-409"}, timeout=10)
+    first = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, "job_id": "serve-same-id-409"}, timeout=10)
+    again = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, "job_id": "serve-same-id-409"}, timeout=10)
     assert first.status_code == 202 and again.status_code == 202 and again.json()["created"] is False
-    other = httpx.post(url, json={"prompt": "Bye", "max_tokens": 2, "job_id": "same-id-409"}, timeout=10)
+    other = httpx.post(url, json={"prompt": "Bye", "max_tokens": 2, "job_id": "serve-same-id-409"}, timeout=10)
     assert other.status_code == 409 and other.json()["error"]["param"] == "job_id"
 
 
@@ -890,7 +761,7 @@ def test_metrics_parse_and_count_the_requests(env):
         (count,) = [s.value for s in fam.samples if s.name.endswith("_count") and s.labels["model_name"] == env.model]
         assert count == counts[-1] > 0
     for s in fams["tandem:prompt_tokens"].samples:
-        assert s.labels["model_name"] == env.model and s.labels["tandem_instance"].startswith("main@serve")
+        assert s.labels["model_name"] == env.model and s.labels["tandem_instance"].startswith(FLEET_WORKER)
 
 
 # ---- vision -----------------------------------------------------------------------------------------
