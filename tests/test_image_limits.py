@@ -712,45 +712,30 @@ def test_http_detect_answers_400_to_a_bomb_as_raw_body_upload_and_base64(embedde
 
 
 @pytest.mark.slow
-def test_http_detect_over_a_real_worker_refuses_the_bomb_and_the_worker_stays_small(tmp_path, png_bomb):
+def test_http_detect_over_a_real_worker_refuses_the_bomb_and_the_worker_stays_small(shared_fleet, png_bomb):
     """The probe's setup: the server's app over Redis (the jobs backend, in this process) and a
-    real `tandem worker` on the vision queue, which decodes. The raw-body bomb gets a 400 naming
-    the limit, and the worker's peak RSS barely moves (the probe saw it go from 3.0 to 5.3 GB)."""
+    real `tandem worker` on the vision queue, which decodes: the session's shared one
+    (tests/fleet_support.py: YOLO26n at imgsz 160, batch 1, beside the tiny Llama, idle between
+    tests). The raw-body bomb gets a 400 naming the limit, and the worker's peak RSS barely
+    moves (the probe saw it go from 3.0 to 5.3 GB)."""
     from fastapi.testclient import TestClient
-    from test_jobs_support import RedisServer, WorkerProcess
 
-    from workers.app import make_app
-    from workers.settings import JobSettings
-
+    fleet = shared_fleet.ready()
+    worker = fleet.worker
     app_module, backends = _server("app"), _server("backends")
-    redis_server = RedisServer(tmp_path).start()
-    worker = None
-    try:
-        worker = WorkerProcess(
-            "vision@limits",
-            redis_server.url,
-            tmp_path,
-            ["--queues", "vision", "--imgsz", "160", "--vision-max-batch-size", "1", "--concurrency", "2"],
-        )
-        settings = JobSettings(redis_url=redis_server.url)
-        worker.wait_ready(make_app(settings), timeout=180)
-        normal = jpeg_bytes(small_image())
-        app = app_module.create_app(backends.JobsBackend(settings), app_module.ServeConfig(request_timeout_s=60))
-        with TestClient(app) as client:
-            warm = client.post("/v1/detect", content=normal, headers={"Content-Type": "image/jpeg"})
-            assert warm.status_code == 200, warm.text  # the model has run once: its memory is in the baseline
-            with PeakGrowth(worker.proc.pid) as peak:
-                r = client.post("/v1/detect", content=png_bomb, headers={"Content-Type": "image/png"})
-            peak.check()
-            assert r.status_code == 400, r.text
-            assert r.json()["error"]["message"] == f"image: {OVER}" and r.json()["error"]["param"] == "image"
-            after = client.post("/v1/detect", content=normal, headers={"Content-Type": "image/jpeg"})
-            assert after.status_code == 200 and after.json()["error"] is None  # the worker serves on
-        assert worker.proc.poll() is None
-    finally:
-        if worker is not None:
-            worker.stop()
-        redis_server.stop()
+    normal = jpeg_bytes(small_image())
+    app = app_module.create_app(backends.JobsBackend(fleet.settings), app_module.ServeConfig(request_timeout_s=60))
+    with TestClient(app) as client:
+        warm = client.post("/v1/detect", content=normal, headers={"Content-Type": "image/jpeg"})
+        assert warm.status_code == 200, warm.text  # the model has run once: its memory is in the baseline
+        with PeakGrowth(worker.proc.pid) as peak:
+            r = client.post("/v1/detect", content=png_bomb, headers={"Content-Type": "image/png"})
+        peak.check()
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == f"image: {OVER}" and r.json()["error"]["param"] == "image"
+        after = client.post("/v1/detect", content=normal, headers={"Content-Type": "image/jpeg"})
+        assert after.status_code == 200 and after.json()["error"] is None  # the worker serves on
+    assert worker.proc.poll() is None
 
 
 def test_http_reads_no_image_format_as_a_400_too(embedded_client):

@@ -6,13 +6,11 @@ engine of the same model (the tiny random Llama), token for token."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
-from test_jobs_support import RedisServer, WorkerProcess, tiny_worker_args
 
-from workers.app import make_app
 from workers.client import JobClient
-from workers.settings import JobSettings
 
 pytestmark = pytest.mark.slow
 PROMPT = "Once upon a time"
@@ -41,17 +39,21 @@ def _same_logprobs(got: list[dict], want: list[dict]) -> None:
         assert [t["token_id"] for t in g["top"]] == [t["token_id"] for t in w["top"]] and len(g["top"]) == 2
 
 
-def test_a_job_streams_logprobs_aligned_with_its_tokens_and_ends_with_its_stop_reason(
-    tmp_path, tiny_llama_dir, reference
-):
+def test_a_job_streams_logprobs_aligned_with_its_tokens_and_ends_with_its_stop_reason(shared_fleet, reference):
+    """On the session's shared worker (tests/fleet_support.py), with job ids of this module's own."""
     ids, logprobs, stop_id = reference
-    redis = RedisServer(tmp_path).start()
-    settings = JobSettings(redis_url=redis.url)
-    worker = WorkerProcess("w@logprobs", redis.url, tmp_path, tiny_worker_args(tiny_llama_dir))
-    jobs = JobClient(settings=settings)
+    fleet = shared_fleet.ready()
+    jobs = JobClient(settings=fleet.settings)
     try:
-        worker.wait_ready(make_app(settings), timeout=180)
-        job = jobs.submit(PROMPT, max_tokens=12, temperature=0, ignore_eos=True, logprobs=2, stop_token_ids=[stop_id])
+        job = jobs.submit(
+            PROMPT,
+            job_id=f"logprobs-stop-{uuid.uuid4().hex[:8]}",
+            max_tokens=12,
+            temperature=0,
+            ignore_eos=True,
+            logprobs=2,
+            stop_token_ids=[stop_id],
+        )
         result = jobs.result(job, timeout=60)
         assert result["token_ids"] == ids and result["finish_reason"] == "stop"
         assert result["stop_reason"] == stop_id  # an int stays an int
@@ -61,13 +63,14 @@ def test_a_job_streams_logprobs_aligned_with_its_tokens_and_ends_with_its_stop_r
         assert all(len(e["logprobs"]) == len(e["token_ids"]) for e in tokens)
         _same_logprobs([lp for e in tokens for lp in e["logprobs"]], logprobs)
         assert events[-1]["type"] == "done" and events[-1]["stop_reason"] == stop_id
-        plain = jobs.result(jobs.submit(PROMPT, max_tokens=3, temperature=0, ignore_eos=True), timeout=60)
+        plain_id = jobs.submit(
+            PROMPT, job_id=f"logprobs-plain-{uuid.uuid4().hex[:8]}", max_tokens=3, temperature=0, ignore_eos=True
+        )
+        plain = jobs.result(plain_id, timeout=60)
         assert plain["logprobs"] is None and plain["stop_reason"] is None  # not asked: null
         assert all("logprobs" not in e for e in jobs.stream(plain["job_id"], timeout=10))
     finally:
         jobs.close()
-        worker.stop()
-        redis.stop()
 
 
 def test_the_embedded_backend_yields_the_same_event_shape(tiny_llama_dir, reference):

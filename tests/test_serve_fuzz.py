@@ -1,10 +1,11 @@
-"""Schemathesis against a real `tandem serve --embedded` (the tiny random Llama): every
-operation of GET /openapi.json gets request bodies generated from its documented schema; no
-answer may be a 5xx, each must have a documented status and match its documented schema, and
-the server still serves afterwards. Bounded: MAX_EXAMPLES and BUDGET_S per operation (a budget
-shared by all would leave the last operations fuzzed zero times once the first spent it, and the
-test would pass on nothing), max_tokens cut to a few tokens (what the fuzzing means to reach is
-the checks, not long generations). Each operation that takes input must have run MIN_CASES."""
+"""Schemathesis against a real `tandem serve --embedded` (the tiny random Llama; the session's,
+shared with test_serve): every operation of GET /openapi.json gets request bodies generated from
+its documented schema; no answer may be a 5xx, each must have a documented status and match its
+documented schema, and the server still serves afterwards (and logged no traceback meanwhile).
+Bounded: MAX_EXAMPLES and BUDGET_S per operation (a budget shared by all would leave the last
+operations fuzzed zero times once the first spent it, and the test would pass on nothing),
+max_tokens cut to a few tokens (what the fuzzing means to reach is the checks, not long
+generations). Each operation that takes input must have run MIN_CASES."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import time
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
-from test_jobs_support import free_port
-from test_serve import ServeProcess
 
 pytestmark = pytest.mark.slow
 MAX_EXAMPLES = 40
@@ -42,37 +41,16 @@ TAKES_INPUT = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_llama_dir):
-    nowhere = f"redis://127.0.0.1:{free_port()}/0"
-    proc = ServeProcess(
-        "serve-fuzz",
-        tmp_path_factory.mktemp("fuzz"),
-        [
-            "--embedded",
-            "--queues",
-            "llm",
-            "--dtype",
-            "float32",
-            "--model",
-            tiny_llama_dir,
-            "--max-num-seqs",
-            "4",
-            "--kv-cache-bytes",
-            str(64 << 20),
-            "--no-profile",
-            "--request-timeout",
-            "60",
-        ],
-        env={"TANDEM_REDIS_URL": nowhere},
-    )
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
+def server(shared_fleet):
+    """The session's `tandem serve --embedded` on the tiny Llama, --request-timeout 60
+    (tests/fleet_support.py)."""
+    return shared_fleet.embedded()
 
 
 def test_fuzzed_requests_get_documented_non_5xx_answers(server):
     import schemathesis
+
+    log_start = len(server.log())  # the shared server's earlier lines are other tests'
     from schemathesis.checks import not_a_server_error
     from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
 
@@ -135,4 +113,4 @@ def test_fuzzed_requests_get_documented_non_5xx_answers(server):
     assert any(200 in codes for label, codes in seen.items() if "completions" in label), seen  # some ran
     out = httpx.post(server.url + "/v1/completions", json={"prompt": "Still there?", "max_tokens": 2}, timeout=60)
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 2
-    assert server.proc.poll() is None and "Traceback" not in server.log()
+    assert server.proc.poll() is None and "Traceback" not in server.log()[log_start:]
