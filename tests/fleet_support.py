@@ -5,10 +5,10 @@ instead of once per module (a worker or an embedded server is 10 to 25 s of CPU 
 importing torch and Celery and building a Runtime).
 
 Who shares it: test_serve (the fleet and the embedded server), test_jobs_logprobs and
-test_image_limits (the worker), test_serve_fuzz (the embedded server). Who keeps fleets of their
-own, and why: test_bad_requests (a one-slot worker, so that one holder makes the next job wait,
-and a server with second-long body, header and keep-alive limits), test_workers_celery (a
-vision-only worker that must be the only one on the vision queue), test_fleet_models (two models).
+test_image_limits (the worker), test_bad_requests (the worker, under a server of its own with
+second-long body, header and keep-alive limits), test_serve_fuzz (the embedded server). Who
+keeps fleets of their own, and why: test_workers_celery (a vision-only worker that must be the
+only one on the vision queue), test_fleet_models (two models).
 
 The rule for its users: tests run one at a time, so a test that finishes its jobs (or cancels
 them and waits for their end) leaves the fleet idle for the next one; a test never counts every
@@ -29,6 +29,7 @@ from test_jobs_support import REPO, RedisServer, WorkerProcess, free_port, wait_
 
 FLEET_MAX_BODY = 256 << 10  # bus.jpg (137 kB) fits, as base64 too
 FLEET_WORKER = "fleet@tests"
+FLEET_TASK_THREADS = 2  # the worker's: this many long jobs running make the next one wait in Redis
 FLEET_WORKER_ENV = {"TANDEM_HEARTBEAT_S": "0.5"}  # /metrics lags a worker by one heartbeat
 
 
@@ -165,7 +166,7 @@ class SharedFleet:
                     "--max-num-seqs",
                     "4",
                     "--concurrency",
-                    "2",
+                    str(FLEET_TASK_THREADS),
                     "--kv-cache-bytes",
                     str(64 << 20),
                     "--imgsz",

@@ -1,5 +1,6 @@
-"""tests/bad_requests.py's corpus against a real `tandem serve` over a real worker (the tiny
-random Llama, one task thread, so that a second job waits in Redis): each bad request gets its
+"""tests/bad_requests.py's corpus against a real `tandem serve` (this module's, with short body,
+header and keep-alive limits) over the session's shared worker (tests/fleet_support.py: the tiny
+random Llama, two task threads, so that a third job waits in Redis): each bad request gets its
 status, in OpenAI's error shape, naming its field, repeating little of its input; then a plain
 request still works. Besides the corpus, what a JSON case cannot say: a chunked body that never
 ends, a body or a request head that never finishes, SSE keep-alives while a job waits, and one
@@ -15,14 +16,12 @@ import time
 import httpx
 import pytest
 from bad_requests import CASES
-from fleet_support import ServeProcess
+from fleet_support import FLEET_TASK_THREADS, ServeProcess
 from sse_readers import data_lines, strip_then_split
-from test_jobs_support import RedisServer, WorkerProcess, tiny_worker_args, wait_for
+from test_jobs_support import wait_for
 from test_serve import sse
 
 from server.common import KEEPALIVE
-from workers.app import make_app
-from workers.settings import JobSettings
 
 pytestmark = pytest.mark.slow
 MAX_BODY = 1 << 20
@@ -31,43 +30,34 @@ KEEPALIVE_S = 0.3
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_llama_dir):
-    tmp = tmp_path_factory.mktemp("bad")
-    started = []
+def server(shared_fleet, tmp_path_factory):
+    fleet = shared_fleet.start()
+    serve = ServeProcess(
+        "serve-bad",
+        tmp_path_factory.mktemp("bad"),
+        [
+            "--redis-url",
+            fleet.redis.url,
+            "--max-body-bytes",
+            str(MAX_BODY),
+            "--body-timeout",
+            str(TIMEOUT_S),
+            "--header-timeout",
+            str(TIMEOUT_S),
+            "--keepalive",
+            str(KEEPALIVE_S),
+            "--log-level",
+            "info",
+        ],
+    )
     try:
-        redis_server = RedisServer(tmp).start()
-        started.append(redis_server)
-        worker = WorkerProcess(
-            "bad@requests", redis_server.url, tmp, [*tiny_worker_args(tiny_llama_dir, 2), "--concurrency", "1"]
-        )
-        started.append(worker)
-        serve = ServeProcess(
-            "serve-bad",
-            tmp,
-            [
-                "--redis-url",
-                redis_server.url,
-                "--max-body-bytes",
-                str(MAX_BODY),
-                "--body-timeout",
-                str(TIMEOUT_S),
-                "--header-timeout",
-                str(TIMEOUT_S),
-                "--keepalive",
-                str(KEEPALIVE_S),
-                "--log-level",
-                "info",
-            ],
-        )
-        started.append(serve)
-        worker.wait_ready(make_app(JobSettings(redis_url=redis_server.url)))
+        fleet.ready()
         serve.wait_ready()
-        serve.redis_url = redis_server.url  # for the tests that watch their jobs' states
+        serve.redis_url = fleet.redis.url  # for the tests that watch their jobs' states
         wait_for(lambda: httpx.get(serve.url + "/v1/models", timeout=5).json()["data"], 30, "the model in /v1/models")
         yield serve
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        serve.stop()
 
 
 @pytest.fixture(scope="module")
@@ -200,14 +190,23 @@ def test_a_keep_alive_connection_still_serves_a_second_request_after_the_head_li
         assert client.get("/health").status_code == 200
 
 
-def _hold(server) -> str:
-    """A long job that occupies the worker's one task thread; the next job waits in Redis."""
-    r = httpx.post(server.url + "/v1/jobs", json={"prompt": "Hold", "max_tokens": 1000, "ignore_eos": True}, timeout=10)
-    job = r.json()["job_id"]
-    wait_for(
-        lambda: httpx.get(f"{server.url}/v1/jobs/{job}", timeout=10).json()["state"] == "running", 30, "the holder"
-    )
-    return job
+def _hold(server) -> list[str]:
+    """Long jobs that occupy each of the worker's task threads; the next job waits in Redis."""
+    body = {"prompt": "Hold", "max_tokens": 1000, "ignore_eos": True}
+    jobs = [
+        httpx.post(server.url + "/v1/jobs", json=body, timeout=10).json()["job_id"] for _ in range(FLEET_TASK_THREADS)
+    ]
+
+    def running():
+        return all(httpx.get(f"{server.url}/v1/jobs/{j}", timeout=10).json()["state"] == "running" for j in jobs)
+
+    wait_for(running, 30, "the holders")
+    return jobs
+
+
+def _release(server, holders: list[str]) -> None:
+    for job in holders:
+        httpx.delete(f"{server.url}/v1/jobs/{job}", timeout=10)
 
 
 def test_a_queued_stream_sends_keep_alives_then_every_event_to_every_reader(server):
@@ -215,7 +214,7 @@ def test_a_queued_stream_sends_keep_alives_then_every_event_to_every_reader(serv
     (nothing else: the job waits), and once its job runs, each reader real clients use gets
     every event: the specification's, `vllm bench serve`'s strip-then-split reader (which lost
     a third of its streams to a leading ": keep-alive" comment) and a naive data-line reader."""
-    holder = _hold(server)
+    holders = _hold(server)
     released = False
     try:
         queued = httpx.post(server.url + "/v1/jobs", json={"prompt": "Wait", "max_tokens": 2}, timeout=10).json()
@@ -234,12 +233,12 @@ def test_a_queued_stream_sends_keep_alives_then_every_event_to_every_reader(serv
                 chunks.append(chunk)
                 if not released and b"".join(chunks).count(KEEPALIVE) >= 2:
                     assert b"data:" not in b"".join(chunks), chunks
-                    httpx.delete(f"{server.url}/v1/jobs/{holder}", timeout=10)
+                    _release(server, holders)
                     released = True
     finally:
         if not released:
-            httpx.delete(f"{server.url}/v1/jobs/{holder}", timeout=10)
-    assert released, chunks  # the holder outlived two keep-alive intervals: the stream was queued
+            _release(server, holders)
+    assert released, chunks  # the holders outlived two keep-alive intervals: the stream was queued
     text = b"".join(chunks).decode()
     spec = [e["data"] for e in sse(text.split("\n"))]
     assert spec[-1] == "[DONE]" and json.loads(spec[-2])["choices"][0]["finish_reason"], spec
@@ -248,7 +247,8 @@ def test_a_queued_stream_sends_keep_alives_then_every_event_to_every_reader(serv
 
 
 def _jobs(server) -> dict[str, dict]:
-    """Every job in the server's Redis: id -> its record's state and num_tokens."""
+    """Every job in the server's Redis (the shared one: callers keep to the ids new since they
+    looked): id -> its record's state and num_tokens."""
     import redis
 
     with redis.Redis.from_url(server.redis_url, decode_responses=True) as r:
