@@ -25,6 +25,7 @@ from workers.settings import JobSettings
 
 pytestmark = pytest.mark.slow
 SURVIVOR = "b@failover"
+VICTIM = "killed@failover"
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ class SigkillRun:
         ]
         self.job_ids = [f"sigkill-{'seeded' if i % 2 else 'greedy'}-{i}" for i in range(16)]
         self.seeded = set(self.job_ids[1::2])
-        victim = WorkerProcess("killed@failover", redis.url, logs, tiny_worker_args(tiny_llama_dir, max_num_seqs=8))
+        victim = WorkerProcess(VICTIM, redis.url, logs, tiny_worker_args(tiny_llama_dir, max_num_seqs=8))
         try:
             params = [SamplingParams(**kw) for kw in self.kwargs]
             self.reference = dict(zip(self.job_ids, _reference(tiny_llama_dir, self.prompts, params)))
@@ -117,21 +118,16 @@ class SigkillRun:
                 jobs.submit(p, job_id=j, **kw)
 
             def victim_is_mid_batch():
-                on_victim = [
-                    s for s in map(jobs.status, self.job_ids) if (s["worker"] or "").startswith("killed@failover")
-                ]
-                seeded = [
-                    s
-                    for s in on_victim
-                    if s["job_id"] in self.seeded and 10 < s["progress"]["tokens"] < MAX_TOKENS - 10
-                ]
-                greedy = [
-                    s for s in on_victim if s["job_id"] not in self.seeded and 0 < s["progress"]["tokens"] < MAX_TOKENS
-                ]
-                return seeded and greedy and on_victim
+                """The victim's jobs at least 10 tokens from their end (the ones it cannot finish
+                before the kill), once they include a greedy and a seeded one 10 tokens in."""
+                on_victim = [s for s in map(jobs.status, self.job_ids) if (s["worker"] or "").startswith(VICTIM)]
+                mid = [s for s in on_victim if s["progress"]["tokens"] < MAX_TOKENS - 10]
+                seeded = [s for s in mid if s["job_id"] in self.seeded and s["progress"]["tokens"] > 10]
+                greedy = [s for s in mid if s["job_id"] not in self.seeded and s["progress"]["tokens"] > 0]
+                return seeded and greedy and mid
 
-            on_victim = wait_for(victim_is_mid_batch, 120, "the victim to run a greedy and a seeded job", interval=0.01)
-            self.victims = {s["job_id"] for s in on_victim}
+            mid = wait_for(victim_is_mid_batch, 120, "the victim to run a greedy and a seeded job", interval=0.01)
+            self.victims = {s["job_id"] for s in mid}
             victim.kill()
             self.killed_at = time.time()
             self.done = jobs.wait(self.job_ids, timeout=120)
