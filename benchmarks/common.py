@@ -250,6 +250,35 @@ def model_dir(model: str | None) -> tuple[str, int]:
         return hf_dir, int(json.load(f)["vocab_size"])
 
 
+def write_tiny_llama(out: str) -> str:
+    """A 2-layer random Llama (seeded) with SmolLM2's tokenizer in the HF folder `out`: the tests'
+    tiny model (tests/conftest.py), for smoke runs that measure no model."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from runtime.llm.loader import resolve_hf_dir
+
+    tok = AutoTokenizer.from_pretrained(resolve_hf_dir(None)[0])
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -261,50 +290,45 @@ def python_env() -> dict:
 
 
 class RedisServer:
-    """A private redis-server on a free loopback port, append-only as in production."""
+    """A private redis-server on a free loopback port, append-only as in production. `kill()`
+    then `start()` brings it back on the same port from its append-only file (a restart)."""
 
-    def __init__(self, fsync: str) -> None:
+    def __init__(self, fsync: str = "always", folder: str | None = None, start: bool = True) -> None:
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server not found: install it or pass --redis-url")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.dir = tempfile.mkdtemp(prefix="tandem-bench-redis-")
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                self.dir,
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                fsync,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self.port, self.fsync = free_port(), fsync
+        self._own_dir = folder is None
+        self.dir = folder if folder is not None else tempfile.mkdtemp(prefix="tandem-bench-redis-")
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Returns once Redis answers (its append-only file loaded)."""
         import redis
 
-        client = redis.Redis(port=port, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.RedisError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the private redis-server did not start") from None
-                time.sleep(0.05)
-        client.close()
+        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", ""]
+        cmd += ["--appendonly", "yes", "--appendfsync", self.fsync]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with redis.Redis(port=self.port, socket_connect_timeout=0.5) as client:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    client.ping()
+                    return
+                except redis.exceptions.RedisError:  # refused, or still loading its append-only file
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the private redis-server did not start") from None
+                    time.sleep(0.02)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)

@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import cpu_info, free_port, no_nan, python_env
+from benchmarks.common import RedisServer, cpu_info, no_nan, python_env, write_tiny_llama
 
 CASES = ("alone", "redis-restart", "cpu-busy", "smollm2")
 
@@ -49,68 +48,6 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout-s", type=float, default=180.0, help="a run not ready by then counts as failed")
     p.add_argument("--tiny-model", default=None, help="an HF folder to use as the tiny model (default: built)")
     p.add_argument("--out", default="bench_out/worker_start")
-
-
-class Redis:
-    """A redis-server that can be killed and started again on the same port and folder."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder, self.port = folder, free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        """Returns once Redis answers (its append-only file loaded)."""
-        import redis
-
-        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder)]
-        cmd += ["--save", "", "--appendonly", "yes", "--appendfsync", "always"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        with redis.Redis(port=self.port, socket_connect_timeout=0.5) as client:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    client.ping()
-                    return
-                except redis.RedisError:  # refused, or still loading its append-only file
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("redis-server did not start") from None
-                    time.sleep(0.02)
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
-def tiny_llama(out: str) -> str:
-    """A 2-layer random Llama with SmolLM2's tokenizer (the tests' tiny model)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from runtime.llm.loader import resolve_hf_dir
-
-    tok = AutoTokenizer.from_pretrained(resolve_hf_dir(None)[0])
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return out
 
 
 class Probe:
@@ -145,7 +82,7 @@ def one_run(case: str, model: str | None, args, folder: Path, index: int) -> dic
 
     redis_dir = folder / f"redis-{case}-{index}"
     redis_dir.mkdir()
-    server = Redis(redis_dir)
+    server = RedisServer(folder=str(redis_dir), start=False)
     server.start()
     jobs = JobClient(settings=JobSettings(redis_url=server.url))
     busy: list[subprocess.Popen] = []
@@ -207,7 +144,7 @@ def one_run(case: str, model: str | None, args, folder: Path, index: int) -> dic
             # leaves in Redis goes with the private Redis.
             worker.kill()
             worker.wait()
-        server.stop()
+        server.close()
         jobs.close()
     text = log_path.read_text(errors="replace")
     for key, pattern in (
@@ -273,7 +210,7 @@ def run(args) -> int:
     cpu = cpu_info()
     print(f"CPU: {cpu['model']}, {cpu['cores']} cores, flags {cpu['flags']}", flush=True)
     try:
-        tiny = args.tiny_model or tiny_llama(str(folder / "tiny-llama"))
+        tiny = args.tiny_model or write_tiny_llama(str(folder / "tiny-llama"))
         runs = []
         for case in cases:
             load_average = round(os.getloadavg()[0], 2)

@@ -41,30 +41,11 @@ def smollm2_dir() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    """A 2-layer random Llama (seeded) with SmolLM2's tokenizer: benchmarks.common's, which the
+    benchmarks' smoke runs build too."""
+    from benchmarks.common import write_tiny_llama
 
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        initializer_range=0.1,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    out = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return str(out)
+    return write_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
 VISION_IMGSZ = 320
