@@ -34,6 +34,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.chaos_accounting import FINAL, KINDS, account, audit_job, latency_table, ticket, ticket_of
+from benchmarks.chaos_accounting import (
+    FINAL,
+    KINDS,
+    account,
+    audit_job,
+    latency_table,
+    load_seconds,
+    ticket,
+    ticket_of,
+    without_a_live_worker,
+)
 from benchmarks.common import QUESTIONS, cpu_info, free_port, no_nan, python_env
 
 FAULT_KINDS = ("kill", "redis", "redis-kill", "redis-term", "drop")
@@ -764,6 +775,9 @@ def run_chaos(args) -> int:
         "latency": latency_table(ops, [f for f in faults if f["t"] is not None]),
         "rss_mb": chaos.rss,
         "workers_up": chaos.workers_up,
+        "without_a_live_worker": without_a_live_worker(chaos.workers_up),
+        "model_load_s": sorted(s for log in logs.glob("worker-*.log") for s in load_seconds(log.read_text("replace"))),
+        "lease_s": args.lease_s,
         "ops": ops,
     }
     (out / "chaos.json").write_text(json.dumps(no_nan(report), indent=1, allow_nan=False))
@@ -797,6 +811,14 @@ def _print(r: dict) -> None:
         print(
             f"{name:<8}{a['n']:>6}{fmt(a['p50_ms']):>10}{fmt(a['p99_ms']):>10}{fmt(t['p50_ms']):>15}{fmt(t['p99_ms']):>9}"
         )
+    gap, loads = r["without_a_live_worker"], r["model_load_s"]
+    bound = r["lease_s"] + statistics.median(loads) if loads else float("nan")
+    where = f" (from {gap['from']} s to {gap['to']} s)" if gap["from"] is not None else ""
+    print(
+        f"longest interval without a live worker: {gap['seconds']:.1f} s{where}; goal at most the lease plus one "
+        f"model load: {r['lease_s']:g} + {statistics.median(loads) if loads else float('nan'):.1f} = {bound:.1f} s "
+        f"(model loads {', '.join(f'{x:.1f}' for x in loads)} s)"
+    )
     peaks = {w: max(mb for _, mb in s) for w, s in r["rss_mb"].items() if s}
     print("worker RSS peak: " + ", ".join(f"{w} {mb:.0f} MB" for w, mb in peaks.items()))
 

@@ -225,3 +225,29 @@ def latency_table(ops: list[dict], faults: list[dict]) -> dict:
         row["chat_ttft"] = {"p50_ms": 1000 * percentile(ttft, 50), "p99_ms": 1000 * percentile(ttft, 99)}
         table[name] = row
     return table
+
+
+def without_a_live_worker(samples: list[tuple[float, int, int]]) -> dict:
+    """The longest stretch in which `tandem serve` saw no live worker, from the bench's samples
+    (t, worker processes alive, /health's live workers; -1 when /health could not say, Redis
+    being down). A stretch opens at a sample that sees 0 workers and closes at the next that
+    sees one; samples that could not say, inside a stretch, extend it (no worker was seen), but
+    alone they open none (a Redis restart with the workers registered is not a fleet without
+    workers). One still open at the last sample ends there."""
+    longest = {"seconds": 0.0, "from": None, "to": None}
+    start = None
+    for t, _, seen in samples:
+        if seen == 0 and start is None:
+            start = t
+        elif seen > 0 and start is not None:
+            if t - start > longest["seconds"]:
+                longest = {"seconds": round(t - start, 2), "from": start, "to": t}
+            start = None
+    if start is not None and samples and samples[-1][0] - start > longest["seconds"]:
+        longest = {"seconds": round(samples[-1][0] - start, 2), "from": start, "to": samples[-1][0]}
+    return longest
+
+
+def load_seconds(log_text: str) -> list[float]:
+    """Each model load a worker's log reports ("runtime ready in X s")."""
+    return [float(x) for x in re.findall(r"runtime ready in ([0-9.]+) s", log_text)]

@@ -14,7 +14,16 @@ from test_jobs_support import REPO
 
 from benchmarks import cli
 from benchmarks.chaos import fault_schedule, parse_faults
-from benchmarks.chaos_accounting import TICKET, account, audit_job, classify, latency_table, ticket
+from benchmarks.chaos_accounting import (
+    TICKET,
+    account,
+    audit_job,
+    classify,
+    latency_table,
+    load_seconds,
+    ticket,
+    without_a_live_worker,
+)
 
 
 def _token(index: int, ids: list[int], attempt: int = 1) -> tuple[str, dict]:
@@ -156,3 +165,13 @@ def test_a_tiny_chaos_run_loses_nothing_and_runs_nothing_twice(tmp_path, tiny_ll
     assert report["duplicated"] == 0, report["details"]
     assert report["token_equality"]["differ"] == 0 and report["token_equality"]["compared"] > 0
     assert rc == 0, stdout[-2000:]
+
+
+def test_the_longest_interval_without_a_live_worker_is_read_from_health_samples():
+    samples = [(0, 2, 2), (1, 1, 0), (2, 1, -1), (3, 2, 0), (5, 2, 1), (6, 2, -1), (7, 2, 2), (8, 2, 0)]
+    # 1..5 s: no worker seen (the -1 inside extends it); 6 s alone (Redis down, workers
+    # registered) opens none; the stretch open at the end runs to the last sample.
+    assert without_a_live_worker(samples) == {"seconds": 4.0, "from": 1, "to": 5}
+    assert without_a_live_worker([(0, 1, 1), (3, 1, -1), (9, 1, 1)])["seconds"] == 0.0
+    assert without_a_live_worker([(0, 0, 0), (7.5, 1, 0)]) == {"seconds": 7.5, "from": 0, "to": 7.5}
+    assert load_seconds("x\nworker w: runtime ready in 12.5 s\n... runtime ready in 3.0 s") == [12.5, 3.0]
