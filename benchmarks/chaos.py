@@ -776,7 +776,9 @@ def run_chaos(args) -> int:
         "rss_mb": chaos.rss,
         "workers_up": chaos.workers_up,
         "without_a_live_worker": without_a_live_worker(chaos.workers_up),
-        "model_load_s": sorted(s for log in logs.glob("worker-*.log") for s in load_seconds(log.read_text("replace"))),
+        "model_load_s": sorted(
+            s for log in logs.glob("worker-*.log") for s in load_seconds(log.read_text(errors="replace"))
+        ),
         "lease_s": args.lease_s,
         "ops": ops,
     }
