@@ -10,7 +10,8 @@ Keys (P = "tandem:"):
                          (what result() blocks on: it returns whenever it is called)
     P queued:{queue}     zset: queued job ids by submission order (queue positions)
     P running            zset: claimed job ids (what the reaper checks)
-    P worker:{id}        string with a TTL: the worker's lease, renewed by its heartbeat
+    P worker:{id}        string with a TTL: the worker's lease (its end, on the writer's clock),
+                         renewed by its heartbeat
     P seq                counter: submission order
     <queue>[sep<step>]   Kombu's broker lists (message.py): a job's Celery message is pushed
                          by the same script that records or requeues the job
@@ -32,6 +33,16 @@ local function jobkey(id) return P .. 'job:' .. id end
 local function eventskey(id) return P .. 'events:' .. id end
 local function endkey(id) return P .. 'end:' .. id end
 local function terminal(state) return state == 'done' or state == 'failed' or state == 'cancelled' end
+
+-- A worker's lease is live while its key exists (Redis expires it lease_s after the last beat)
+-- and the end it holds is after `now`. The end is on the callers' clock, as `now` is: that is
+-- what lets a test move time on without waiting (tests/test_leases.py). Between machines it
+-- asks only that their clocks agree to well within lease_s - heartbeat_s (8 s by default).
+local function alive(worker, now)
+  if not worker or worker == '' then return false end
+  local ends = tonumber(redis.call('GET', P .. 'worker:' .. worker) or '')
+  return ends ~= nil and ends > tonumber(now)
+end
 
 -- stop: the JSON of the stop string or token id that ended a generation ('' or nil: none).
 local function close_job(id, state, result, err, reason, now, maxlen, by, text, stop)
@@ -124,7 +135,7 @@ if terminal(state) then return {'final', state} end
 if state == 'running' then
   if redis.call('HGET', job, 'token') == token then return claimed() end  -- a retry whose reply was lost
   local owner = redis.call('HGET', job, 'owner')
-  if owner ~= me and redis.call('EXISTS', P .. 'worker:' .. owner) == 1 then return {'busy', owner} end
+  if owner ~= me and alive(owner, now) then return {'busy', owner} end
 end
 if redis.call('HGET', job, 'cancel') == '1' then
   close_job(id, 'cancelled', '', '', 'abort', now, maxlen, '', '')
@@ -199,7 +210,7 @@ if submitter ~= '' and submitter ~= (ARGV[5] or '') then return 'missing' end  -
 if terminal(state) then return 'final:' .. state end
 redis.call('HSET', job, 'cancel', 1)
 local owner = redis.call('HGET', job, 'owner')
-if state == 'queued' or redis.call('EXISTS', P .. 'worker:' .. owner) == 0 then
+if state == 'queued' or not alive(owner, now) then
   close_job(id, 'cancelled', '', '', 'abort', now, maxlen, '', '')
   return 'cancelled'
 end
@@ -219,7 +230,7 @@ if state ~= 'running' then
   redis.call('ZREM', P .. 'running', id)
   return 'gone'
 end
-if redis.call('EXISTS', P .. 'worker:' .. redis.call('HGET', job, 'owner')) == 1 then return 'alive' end
+if alive(redis.call('HGET', job, 'owner'), now) then return 'alive' end
 if redis.call('HGET', job, 'cancel') == '1' then
   close_job(id, 'cancelled', '', '', 'abort', now, maxlen, '', '')
   return 'cancelled'

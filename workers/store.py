@@ -86,9 +86,11 @@ def submit_args(
     max_tokens: int,
     priority: int = 0,
     owner: str | None = None,
+    now: float | None = None,
 ) -> list:
     """ARGV of the SUBMIT script (lua.py), for a client on either Redis API, sync or asyncio.
-    `owner`: who submits (None: nobody in particular); a job with an owner is the owner's only."""
+    `owner`: who submits (None: nobody in particular); a job with an owner is the owner's only.
+    `now`: the submission time (None: time.time())."""
     step = broker_priority(priority)
     message = task_message(task, job_id, kwargs, queue, step, ignore_result=True)
     return [
@@ -99,7 +101,7 @@ def submit_args(
         digest(task, kwargs),
         message,
         broker_list(queue, step),
-        time.time(),
+        time.time() if now is None else now,
         ttl_s,
         max_tokens,
         owner or "",
@@ -133,8 +135,17 @@ def connect(url: str) -> redis.Redis:
 
 
 class JobStore:
-    def __init__(self, settings: JobSettings | None = None, client: redis.Redis | None = None) -> None:
+    """`clock`: the time every script is given as `now`, and that leases are written and read in
+    (wall-clock seconds; tests pass a fake one to expire leases without waiting them out)."""
+
+    def __init__(
+        self,
+        settings: JobSettings | None = None,
+        client: redis.Redis | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.settings = settings or JobSettings.from_env()
+        self.clock = clock
         self.redis = client or connect(self.settings.redis_url)
         r = self.redis
         self._submit = r.register_script(lua.SUBMIT)
@@ -179,7 +190,15 @@ class JobStore:
         The same id with the same arguments is the same job; with others it is a ValueError;
         under another owner a JobOwnedError."""
         args = submit_args(
-            job_id, task, queue, kwargs, ttl_s=ttl_s, max_tokens=max_tokens, priority=priority, owner=owner
+            job_id,
+            task,
+            queue,
+            kwargs,
+            ttl_s=ttl_s,
+            max_tokens=max_tokens,
+            priority=priority,
+            owner=owner,
+            now=self.clock(),
         )
         return submit_outcome(job_id, *self.retrying(lambda: self._submit(args=args), "submit"))
 
@@ -208,7 +227,7 @@ class JobStore:
         return self.retrying(lambda: self.redis.zrank(f"{PREFIX}queued:{queue}", job_id), "queue_position")
 
     def cancel(self, job_id: str, owner: str | None = None) -> str:
-        args = [PREFIX, job_id, time.time(), self.settings.stream_maxlen, owner or ""]
+        args = [PREFIX, job_id, self.clock(), self.settings.stream_maxlen, owner or ""]
         return self.retrying(lambda: self._cancel(args=args), "cancel")
 
     def read_events(self, job_id: str, after: str, block_ms: int | None, count: int = 512) -> list[tuple[str, dict]]:
@@ -252,7 +271,7 @@ class JobStore:
             job_id,
             worker_id,
             token,
-            time.time(),
+            self.clock(),
             self.settings.stream_maxlen,
             task,
             queue,
@@ -289,7 +308,7 @@ class JobStore:
             json.dumps(token_ids),
             text,
             prompt,
-            time.time() if at is None else at,
+            self.clock() if at is None else at,
             self.settings.stream_maxlen,
             json.dumps(logprobs) if logprobs is not None else "",
         ]
@@ -315,7 +334,7 @@ class JobStore:
             body,
             error,
             finish_reason,
-            time.time(),
+            self.clock(),
             self.settings.stream_maxlen,
             text,
             json.dumps(stop_reason) if stop_reason is not None else "",  # JSON: a stop string or a token id
@@ -333,18 +352,22 @@ class JobStore:
 
         return self.retrying(run, "write events")
 
-    def heartbeat(self, worker_id: str) -> None:
-        """Renew this worker's lease. One key per worker, whatever the number of its jobs."""
-        self.redis.set(worker_key(worker_id), str(time.time()), px=int(self.settings.lease_s * 1000))
+    def heartbeat(self, worker_id: str, now: float | None = None) -> None:
+        """Renew this worker's lease. One key per worker, whatever the number of its jobs: it
+        holds the lease's end on this store's clock (what lua.py's `alive` compares with the
+        reader's `now`), and expires by itself in Redis lease_s later, so a dead worker's key
+        goes away whatever the clocks say."""
+        now = self.clock() if now is None else now
+        self.redis.set(worker_key(worker_id), repr(now + self.settings.lease_s), px=int(self.settings.lease_s * 1000))
 
     def release(self, worker_id: str) -> None:
         """A worker leaving cleanly drops its lease, so that its unfinished jobs move at once."""
         self.redis.delete(worker_key(worker_id), f"{PREFIX}held:{worker_id}")
 
-    def reap(self) -> list[str]:
-        """Requeue (and queue the message of) the running jobs whose owner's lease expired.
-        Two pipelined reads find them, whatever the number of running jobs; the script then
-        checks again, atomically, for each one found."""
+    def reap(self, now: float | None = None) -> list[str]:
+        """Requeue (and queue the message of) the running jobs whose owner's lease expired by
+        `now` (None: this store's clock). Two pipelined reads find them, whatever the number of
+        running jobs; the script then checks again, atomically, for each one found."""
         r = self.redis
         job_ids = r.zrange(RUNNING, 0, -1)
         if not job_ids:
@@ -356,9 +379,9 @@ class JobStore:
         distinct = sorted({o for o in owners if o})
         pipe = r.pipeline(transaction=False)
         for o in distinct:
-            pipe.exists(worker_key(o))
-        dead = {o for o, alive in zip(distinct, pipe.execute()) if not alive}
-        now = time.time()
+            pipe.get(worker_key(o))
+        now = self.clock() if now is None else now
+        dead = {o for o, until in zip(distinct, pipe.execute()) if not lease_alive(until, now)}
         maxlen = self.settings.stream_maxlen
         return [
             j
@@ -395,7 +418,7 @@ class JobStore:
         if candidates:  # a live worker's prefetched messages are held, not lost
             for key in r.scan_iter(match=f"{PREFIX}held:*", count=256):
                 candidates.difference_update(r.smembers(key))
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         seen = dict(r.zrange(ORPHANS, 0, -1, withscores=True))
         due = [j for j in candidates if j in seen and seen[j] <= now - every_s]
         pipe = r.pipeline(transaction=False)
@@ -446,6 +469,14 @@ class JobStore:
                 if ev.get("logprobs"):
                     logprobs = (logprobs or []) + json.loads(ev["logprobs"])
         return ids, "".join(parts), logprobs
+
+
+def lease_alive(until: str | None, now: float) -> bool:
+    """A worker key's value (the end of its lease), read at `now`: lua.py's `alive`, in Python."""
+    try:
+        return until is not None and float(until) > now
+    except ValueError:
+        return False
 
 
 def visible(rec: dict, owner: str | None) -> bool:
