@@ -146,9 +146,18 @@ def runtime_config(queues: list[str] | None, env: dict | None = None) -> dict:
 
 
 class WorkerHost:
-    def __init__(self, settings: JobSettings, runtime_factory: Callable[[], Any], name: str = "") -> None:
+    """`clock`: its store's (JobStore's `clock`); the lease thread's turns are `beat(now)`, which
+    a test may call itself with a fake clock and no thread (tests/test_leases.py)."""
+
+    def __init__(
+        self,
+        settings: JobSettings,
+        runtime_factory: Callable[[], Any],
+        name: str = "",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.settings = settings
-        self.store = JobStore(settings)
+        self.store = JobStore(settings, clock=clock)
         self.worker_id = f"{name or socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._factory = runtime_factory
         self.runtime: Any = None
@@ -160,6 +169,9 @@ class WorkerHost:
         self.writer: EventWriter | None = None
         self.num_republished = 0
         self.outcomes: Counter[str] = Counter()  # final states of the jobs this worker finished
+        # Since when Redis has answered this worker's beats without a break (None: it has not).
+        # The host counts from its creation: Redis was there as far as it knows.
+        self._connected_since: float | None = self.store.clock()
 
     # ---- life ---------------------------------------------------------------------------------
 
@@ -294,30 +306,43 @@ class WorkerHost:
         os._exit(EXIT_RUNTIME_BROKEN)
 
     def _lease_loop(self) -> None:
-        connected_since: float | None = time.monotonic()
         while not self._stop.wait(self.settings.heartbeat_s):
             broken = self.runtime_broken()
             if broken is not None:
                 self._leave_broken(broken)
                 return
             try:
-                self.store.heartbeat(self.worker_id)
-                self.store.hold(self.worker_id, _reserved_ids())
-                self._publish_metrics()
-                if connected_since is None:
-                    connected_since = time.monotonic()
-                # Right after Redis comes back, leases that expired during the outage belong to
-                # live workers that have not beaten yet: reap only after a full lease period.
-                if time.monotonic() - connected_since >= self.settings.lease_s:
-                    self._note(self.store.reap(), "its worker's lease expired")
-                self._note(self.store.orphans(2 * self.settings.heartbeat_s), "the broker lost its message")
-                jobs = self._running_jobs()
-                for job_id in self.store.cancel_requested(list(jobs)):
-                    jobs[job_id].request_cancel()
+                self.beat()
             except Exception as exc:  # noqa: BLE001 - keep beating through a Redis restart
-                if connected_since is not None:
+                if self._connected_since is not None:
                     log.warning("worker %s: lease renewal failed (%s); retrying", self.worker_id, exc)
-                connected_since = None
+                self.lost_redis()
+
+    def beat(self, now: float | None = None) -> None:
+        """One turn of the lease thread, at `now` (None: the store's clock): renew this worker's
+        lease and its held messages, publish its metrics, requeue the jobs of workers whose lease
+        expired, queue again the jobs whose broker message is gone, and pass on cancel flags.
+        Raises what Redis raises; the next turn tries again."""
+        store = self.store
+        now = store.clock() if now is None else now
+        store.heartbeat(self.worker_id, now)
+        store.hold(self.worker_id, _reserved_ids())
+        self._publish_metrics()
+        if self._connected_since is None:
+            self._connected_since = now
+        # Right after Redis comes back, leases that expired during the outage belong to live
+        # workers that have not beaten yet: reap only after a full lease period.
+        if now - self._connected_since >= self.settings.lease_s:
+            self._note(store.reap(now), "its worker's lease expired")
+        self._note(store.orphans(2 * self.settings.heartbeat_s, now), "the broker lost its message")
+        jobs = self._running_jobs()
+        for job_id in store.cancel_requested(list(jobs)):
+            jobs[job_id].request_cancel()
+
+    def lost_redis(self) -> None:
+        """What the lease thread does when a turn fails: the reaping waits a full lease period
+        again once Redis answers."""
+        self._connected_since = None
 
     def metrics_payload(self) -> dict | None:
         """What `tandem serve` scrapes for this worker (workers/fleet_metrics.py): its model, what it
