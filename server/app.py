@@ -59,8 +59,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def _value_error(_request: Request, exc: ValueError) -> JSONResponse:
-        message = str(exc)
-        return JSONResponse(APIError(400, message, protocol.param_of(message)).body(), status_code=400)
+        err = protocol.field_error(exc)  # a FieldError's field and code; protocol.fallback_param else
+        return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, _exc: ClientGone) -> Response:

@@ -2,15 +2,11 @@
 default: the server stays thin and scales with the workers), or a Runtime in its own process
 (`EmbeddedBackend`, `--embedded`: one machine, no Redis).
 
-Both give the HTTP layer the same things: `generate()` returns a `Stream` of events as plain
-dicts, the same as a job's Redis Stream carries them:
-
-    {"type": "token", "text": "...", "token_ids": [...]}
-    {"type": "done", "text": "<trailing text>", "finish_reason": "stop" | "length"}
-    {"type": "failed", "error": "...", "finish_reason": "invalid_request" | "abort" | ...}
-    {"type": "cancelled"}
-
-then `await stream.usage()` for the token counts. Nothing here blocks the event loop: Redis is
+Both give the HTTP layer the same things: `generate()` returns a `Stream` of JobEvents
+(workers/events.py), the type a job's Redis Stream carries: token events (content text, ids,
+logprobs), tool_call / tool_args events for a tool job's calls, and last one of done, failed
+(with the error's field and code when it was a FieldError) or cancelled; then
+`await stream.usage()` for the token counts. Nothing here blocks the event loop: Redis is
 read with redis.asyncio; the Runtime's handles wake the loop with call_soon_threadsafe.
 """
 
@@ -26,7 +22,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from runtime import errors
+from runtime.errors import FieldError
+from server import protocol
 from server.protocol import APIError, Generation
+from workers.events import CANCELLED, DONE, FAILED, TOKEN, JobEvent
 
 log = logging.getLogger("tandem.serve")
 MODELS_TTL_S = 1.0  # how long the list of served models (read from Redis) is reused
@@ -38,7 +38,7 @@ class Stream(Protocol):
 
     id: str
 
-    def events(self) -> AsyncIterator[dict]: ...
+    def events(self) -> AsyncIterator[JobEvent]: ...
 
     async def usage(self) -> dict: ...
 
@@ -54,15 +54,29 @@ class JobStream:
         self.id = job_id
         self.deadline = deadline  # time.monotonic() past which a lost Redis is not waited for
         self.owner = owner
-        self.final: dict | None = None
+        self.final: JobEvent | None = None
 
-    async def events(self) -> AsyncIterator[dict]:
+    async def events(self) -> AsyncIterator[JobEvent]:
         async for _, event in self.backend.read_events(self.id, "0-0", owner=self.owner, deadline=self.deadline):
-            if event["type"] in ("done", "failed", "cancelled"):
+            if event.type == FAILED and event.field is None and event.finish_reason == "invalid_request":
+                await self._error_detail(event)
+            if event.final:
                 self.final = event
             yield event
             if self.final is not None:
                 return
+
+    async def _error_detail(self, event: JobEvent) -> None:
+        """A job failed by a FieldError keeps the error's field and code in its final record
+        (workers/jobs.py: the event is the Lua scripts' and has no room for them): read there."""
+        from redis.exceptions import RedisError
+
+        try:
+            detail = ((await self.backend.result(self.id, owner=self.owner)) or {}).get("error")
+        except (RedisError, OSError, ValueError):
+            return
+        if isinstance(detail, dict) and detail.get("field"):
+            event.field, event.code = str(detail["field"]), str(detail.get("code") or "invalid")
 
     async def usage(self) -> dict:
         from redis.exceptions import RedisError
@@ -209,7 +223,7 @@ class JobsBackend:
 
     async def read_events(
         self, job_id: str, after: str = "0-0", owner: str | None = None, deadline: float | None = None
-    ) -> AsyncIterator[tuple[str, dict]]:
+    ) -> AsyncIterator[tuple[str, JobEvent]]:
         """(stream id, event) from `after` on, until the final event. A lost connection to
         Redis (a restart) is retried from the last id seen, until `deadline` (time.monotonic();
         None: settings.reconnect_s from the loss); past it the stream ends with a "failed" event
@@ -245,9 +259,9 @@ class JobsBackend:
             backoff.reset()
             for event_id, fields in entries:
                 last = event_id
-                event = _event(fields)
+                event = JobEvent.from_fields(fields, event_id)
                 yield event_id, event
-                if event["type"] in ("done", "failed", "cancelled"):
+                if event.final:
                     return
             if ended:
                 return  # resumed after the final event
@@ -325,9 +339,9 @@ class JobsBackend:
         stream = JobStream(self, job_id)
         try:
             async for event in stream.events():
-                if event["type"] == "failed":
+                if event.type == FAILED:
                     raise job_error(event)
-                if event["type"] == "cancelled":
+                if event.type == CANCELLED:
                     raise APIError(503, "the detection was cancelled")
         except asyncio.CancelledError:
             await asyncio.shield(self.cancel(job_id))
@@ -359,22 +373,6 @@ def fleet_health(workers: list[dict]) -> dict:
     }
 
 
-def _event(fields: dict) -> dict:
-    event: dict[str, Any] = {"type": fields.get("type", ""), "text": fields.get("text", "")}
-    if fields.get("token_ids"):
-        event["token_ids"] = json.loads(fields["token_ids"])
-    for name in ("logprobs", "stop_reason"):  # contract C: JSON (a list aligned with token_ids; a str or an id)
-        if fields.get(name):
-            event[name] = json.loads(fields[name])
-    for name in ("finish_reason", "error", "worker"):
-        if fields.get(name):
-            event[name] = fields[name]
-    for name in ("resumed_from", "attempt", "num_tokens", "index"):
-        if fields.get(name):
-            event[name] = int(fields[name])
-    return event
-
-
 def _redis_lost() -> tuple[type[BaseException], ...]:
     """What a read raises while Redis restarts or is unreachable (imported on first use, as this
     module imports workers and redis: only a jobs backend needs them)."""
@@ -384,26 +382,29 @@ def _redis_lost() -> tuple[type[BaseException], ...]:
     return (RedisConnectionError, RedisTimeoutError, OSError)
 
 
-def lost_stream_event(job_id: str, exc: BaseException) -> dict:
+def lost_stream_event(job_id: str, exc: BaseException) -> JobEvent:
     """The last event of a stream whose Redis stayed away past the request's deadline: the job
     itself may well finish, so the event names it for GET /v1/jobs/{id}."""
-    return {
-        "type": "failed",
-        "text": "",
-        "job_id": job_id,
-        "finish_reason": "abort",
-        "error": f"lost the job store (Redis: {exc}) while streaming job {job_id}; it may still finish: "
+    return JobEvent(
+        FAILED,
+        job_id=job_id,
+        finish_reason="abort",
+        error=f"lost the job store (Redis: {exc}) while streaming job {job_id}; it may still finish: "
         f"GET /v1/jobs/{job_id} for its state and result",
-    }
+    )
 
 
-def job_error(event: dict) -> APIError:
-    """The HTTP error for a failed job's final event: 400 naming the field for bad input,
-    504 past a deadline, else 500."""
-    message = event.get("error") or "the job failed"
-    if event.get("finish_reason") == "invalid_request":
-        return APIError(400, message, message.split(" ", 1)[0].rstrip(":"))
-    if "DeadlineExceeded" in message or "deadline" in message.lower():
+def job_error(event: JobEvent) -> APIError:
+    """The HTTP error of a failed job's final event, from its data: a FieldError's field and
+    code (400, or its code's status), 504 past a deadline (finish_reason deadline_exceeded),
+    else 500. A job refused by a check that raises a plain ValueError still (finish_reason
+    invalid_request, no field: runtime/llm's checks) is named by protocol.fallback_param."""
+    message = event.error or "the job failed"
+    if event.field is not None:
+        return protocol.field_error(FieldError(event.field, message, event.code or errors.INVALID))
+    if event.finish_reason == "invalid_request":
+        return APIError(400, message, protocol.fallback_param(message))
+    if event.finish_reason == "deadline_exceeded":
         return APIError(504, message)
     return APIError(500, message, type_="server_error")
 
@@ -422,34 +423,28 @@ class HandleStream:
         self.final = None
         handle.set_listener(lambda: loop.is_closed() or loop.call_soon_threadsafe(self._wake.set))
 
-    async def events(self) -> AsyncIterator[dict]:
+    async def events(self) -> AsyncIterator[JobEvent]:
         from concurrent.futures import CancelledError
 
         while True:
             outputs, error = self.handle.poll()
             for out in outputs:
                 if out.delta_token_ids or out.delta_text:
-                    event = {"type": "token", "text": out.delta_text, "token_ids": out.delta_token_ids}
-                    logprobs = getattr(out, "delta_logprobs", None)  # contract B, aligned with the ids
-                    if logprobs is not None:
-                        event["logprobs"] = logprobs
-                    yield event
+                    # contract B: logprobs aligned with the ids
+                    logprobs = getattr(out, "delta_logprobs", None)
+                    yield JobEvent(TOKEN, out.delta_text, list(out.delta_token_ids), logprobs)
                 if out.finished:
                     self.final = out
             if error is not None:
                 if isinstance(error, CancelledError):
-                    yield {"type": "cancelled"}
+                    yield JobEvent(CANCELLED, finish_reason="abort")
                 else:
-                    code = getattr(self.final, "error_code", None) or ""
-                    reason = "deadline_exceeded" if "deadline" in code or isinstance(error, TimeoutError) else "abort"
-                    yield {"type": "failed", "error": str(error), "finish_reason": reason}
+                    code = getattr(self.final, "error_code", None)
+                    deadline = code == "deadline_exceeded" or isinstance(error, TimeoutError)
+                    yield JobEvent(FAILED, error=str(error), finish_reason="deadline_exceeded" if deadline else "abort")
                 return
             if self.final is not None:
-                done = {"type": "done", "text": "", "finish_reason": self.final.finish_reason}
-                stop = getattr(self.final, "stop_reason", None)
-                if stop is not None:
-                    done["stop_reason"] = stop
-                yield done
+                yield JobEvent(DONE, finish_reason=self.final.finish_reason, stop_reason=self.final.stop_reason)
                 return
             await self._wake.wait()
             self._wake.clear()
@@ -525,7 +520,7 @@ class EmbeddedBackend:
         try:  # the chat template and the tokenizer run off the event loop
             handle = await asyncio.to_thread(rt.submit_generate, prompt, params, priority, deadline_s)
         except ValueError as exc:
-            raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
+            raise protocol.field_error(exc) from None
         return HandleStream(handle, asyncio.get_running_loop())
 
     async def cancel(self, request_id: str) -> str:

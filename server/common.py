@@ -196,11 +196,11 @@ def sse_data(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def failure(event: dict) -> APIError:
-    """The HTTP error of a job's final failed or cancelled event."""
+def failure(event) -> APIError:
+    """The HTTP error of a job's final failed or cancelled event (a workers.events.JobEvent)."""
     from server.backends import job_error
 
-    if event["type"] == "cancelled":
+    if event.type == "cancelled":
         return APIError(503, "the request was cancelled")
     return job_error(event)
 

@@ -10,6 +10,7 @@ naming the field, with the HTTP status OpenAI's API would give. The job API (/v1
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import re
@@ -18,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.errors import FieldError
 from runtime.llm.sampling_params import SamplingParams
 from server.http_errors import APIError  # the shape serve and streams share (protocol.APIError)
 
@@ -65,6 +67,8 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 _STRUCTURED_SOURCES = ("response_format", "structured_outputs", *_GUIDED)
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _INTS = ("max_tokens", "top_k", "min_tokens", "seed", "priority")
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_NOT_SAMPLING = ("prompt", "messages", "priority", "deadline_s")
 
 
 def clip(value: Any) -> str:
@@ -73,15 +77,27 @@ def clip(value: Any) -> str:
     return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + "..."
 
 
-def param_of(message: str) -> str:
-    """The field a ValueError's message names: the first unknown field it lists, else its first
-    word (every check in Tandem starts its message with the field's name)."""
-    m = _UNKNOWN.search(message)
-    return m.group(1) if m else message.split(" ", 1)[0].rstrip(":,")
+def fallback_param(message: str) -> str:
+    """The field a plain ValueError's message names: its first word. Only for the checks that do
+    not raise a FieldError yet (runtime/llm/sampling_params.py and runtime/llm/structured.py,
+    whose messages start with the field's name, as every check in Tandem does); every check on
+    this server's own paths (this module, workers/jobspec.py) raises FieldError instead."""
+    return message.split(" ", 1)[0].rstrip(":,")
 
 
-_UNKNOWN = re.compile(r"unknown field\(s\) \['([^']+)'")
-_UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
+def field_error(exc: ValueError, renamed: dict[str, str] | None = None) -> APIError:
+    """The HTTP error of a refused input, 400: a FieldError answers with its own field; a plain
+    ValueError falls back to fallback_param. `renamed`: the request's own name for a job
+    field (response_format for structured_outputs), so the answer names what was sent."""
+    if isinstance(exc, FieldError):
+        name, text = exc.field, str(exc)
+    else:
+        text = str(exc)
+        name = fallback_param(text)
+    base = re.split(r"[.\[]", name, maxsplit=1)[0]  # structured_outputs.choice: a part of the field
+    if renamed and base in renamed:  # say it in the request's terms: "response_format: structured_outputs ..."
+        return APIError(400, f"{renamed[base]}: {text}", renamed[base])
+    return APIError(400, text, name)
 
 
 def bad(param: str, message: str) -> APIError:
@@ -203,20 +219,15 @@ def _sampling_params(job: dict, renamed: dict[str, str] | None = None) -> None:
     """SamplingParams' checks, once, where the workers run them too; `renamed`: the request's own
     name for a job field (response_format for structured_outputs), so the error names what was sent."""
     renamed = renamed or {}
+    fields = {k: v for k, v in job.items() if k not in _NOT_SAMPLING}
+    unknown = sorted(set(fields) - set(SAMPLING_FIELDS))
+    if unknown:  # a field this runtime's SamplingParams does not have (yet)
+        name = renamed.get(unknown[0], unknown[0])
+        raise bad(name, f"{name} is not supported by this server")
     try:
-        SamplingParams(**{k: v for k, v in job.items() if k not in ("prompt", "messages", "priority", "deadline_s")})
-    except TypeError as exc:  # a field this runtime's SamplingParams does not have (yet)
-        m = _UNEXPECTED.search(str(exc))
-        name = m.group(1) if m else "body"
-        raise bad(renamed.get(name, name), f"{renamed.get(name, name)} is not supported by this server") from None
+        SamplingParams(**fields)
     except ValueError as exc:
-        text = str(exc)
-        name = param_of(text)
-        base = name.split(".", 1)[0]  # structured_outputs.choice: a part of the field
-        if base in renamed:  # say it in the request's terms: "response_format: structured_outputs ..."
-            return_name = renamed[base]
-            raise bad(return_name, f"{return_name}: {text}") from None
-        raise bad(name, text) from None
+        raise field_error(exc, renamed) from None
 
 
 def _structured(body: dict) -> tuple[dict | None, str | None]:

@@ -1,7 +1,7 @@
 """The job layer's side of the helpers' contracts, against a real Redis and no Celery worker:
 
 C  logprobs ride the token events (aligned with their token_ids) and stop_reason the final
-   one, through the worker's EventWriter, the client's parse_event and the server's _event
+   one, through the worker's EventWriter and workers/events.py's JobEvent (client and server)
 G  a job submitted with an owner is no job to any other owner (status, result, events,
    cancel), and its job_id is refused to them
 10 JobsBackend.read_events outlives a Redis restart (it goes on from the last id it saw);
@@ -18,10 +18,11 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from test_jobs_support import RedisServer, wait_for
 
-from server.backends import JobsBackend, _event
+from server.backends import JobsBackend
 from workers.client import JobClient, JobNotFoundError
+from workers.events import JobEvent
 from workers.settings import JobSettings
-from workers.store import JobOwnedError, JobStore, events_key, parse_event
+from workers.store import JobOwnedError, JobStore, events_key
 from workers.writer import EventWriter
 
 LOGPROBS = [
@@ -111,15 +112,15 @@ def test_logprobs_ride_the_token_events_and_stop_reason_the_final_one(store):
     finally:
         writer.close()
     entries = store.redis.xrange(events_key("c1"))
-    events = [parse_event(i, f) for i, f in entries]
+    events = [JobEvent.from_fields(f, i).to_dict() for i, f in entries]  # what JobClient.stream gives
     tokens = [e for e in events if e["type"] == "token"]
     assert [t for e in tokens for t in e["token_ids"]] == [5, 6, 7]
     assert [lp for e in tokens for lp in e["logprobs"]] == LOGPROBS  # aligned, in order, merged or not
     assert all(len(e["logprobs"]) == len(e["token_ids"]) for e in tokens)
     assert events[-1]["type"] == "done" and events[-1]["stop_reason"] == "\n"
-    server_side = [_event(f) for _, f in entries]  # what `tandem serve` routes see
-    assert [lp for e in server_side if e["type"] == "token" for lp in e["logprobs"]] == LOGPROBS
-    assert server_side[-1]["stop_reason"] == "\n"
+    server_side = [JobEvent.from_fields(f, i) for i, f in entries]  # what `tandem serve` routes see
+    assert [lp for e in server_side if e.type == "token" for lp in e.logprobs] == LOGPROBS
+    assert server_side[-1].stop_reason == "\n"
     assert store.prefix("c1") == ([5, 6, 7], "abc", LOGPROBS)  # what a resumed attempt starts from
 
 
@@ -131,7 +132,7 @@ def test_a_stop_token_id_stays_an_int_and_a_job_without_logprobs_carries_none(st
         assert writer.finish(job, "done", {"logprobs": None}, "", "stop", "", 2).result(10)
     finally:
         writer.close()
-    events = [parse_event(i, f) for i, f in store.redis.xrange(events_key("c2"))]
+    events = [JobEvent.from_fields(f, i).to_dict() for i, f in store.redis.xrange(events_key("c2"))]
     assert "logprobs" not in events[0] and events[-1]["stop_reason"] == 2
     assert store.prefix("c2")[2] is None
 
@@ -204,8 +205,8 @@ def test_a_stream_outlives_a_redis_restart_and_ends_naming_the_job_past_its_dead
         store.run_scripts([("finish", store.finish_args("s1", job.token, "done", {"ok": 1}, "", "length"))])
 
     events = asyncio.run(read(30, restart_then_go_on))
-    assert [e["type"] for e in events] == ["token", "token", "done"]  # nothing lost, nothing twice
-    assert [t for e in events for t in e.get("token_ids", [])] == [1, 2, 3]
+    assert [e.type for e in events] == ["token", "token", "done"]  # nothing lost, nothing twice
+    assert [t for e in events for t in e.token_ids] == [1, 2, 3]
 
     job = _claimed(store, "s2")
     store.run_scripts([("emit", store.emit_args("s2", job.token, 0, [1], "a", [9]))])
@@ -225,8 +226,8 @@ def test_a_stream_outlives_a_redis_restart_and_ends_naming_the_job_past_its_dead
     t0 = time.monotonic()
     events = asyncio.run(read_lost())
     assert time.monotonic() - t0 < 10, "the stream waited past its deadline"
-    assert [e["type"] for e in events] == ["token", "failed"]
-    assert events[-1]["job_id"] == "s2" and "GET /v1/jobs/s2" in events[-1]["error"]
+    assert [e.type for e in events] == ["token", "failed"]
+    assert events[-1].job_id == "s2" and "GET /v1/jobs/s2" in events[-1].error
 
 
 def test_health_is_503_until_a_live_worker_serves_and_names_what_each_serves(redis_server, store):

@@ -82,7 +82,7 @@ def test_the_embedded_backend_yields_the_same_event_shape(tiny_llama_dir, refere
     rt = Runtime(llm={"model": tiny_llama_dir, "dtype": "float32", "max_num_seqs": 2}, profile=False)
     backend = EmbeddedBackend(rt, "tiny")
 
-    async def run() -> list[dict]:
+    async def run() -> list:
         job = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2}
         gen = Generation("completion", "tiny", {**job, "stop_token_ids": [stop_id]})
         stream = await backend.generate(gen, 60)
@@ -92,8 +92,14 @@ def test_the_embedded_backend_yields_the_same_event_shape(tiny_llama_dir, refere
         events = asyncio.run(run())
     finally:
         rt.close(drain=False, timeout=30)
-    tokens = [e for e in events if e["type"] == "token"]
-    assert [t for e in tokens for t in e["token_ids"]] == ids
-    assert all(len(e["logprobs"]) == len(e["token_ids"]) for e in tokens)
-    _same_logprobs([lp for e in tokens for lp in e["logprobs"]], logprobs)
-    assert events[-1] == {"type": "done", "text": "", "finish_reason": "stop", "stop_reason": stop_id}
+    tokens = [e for e in events if e.type == "token"]  # workers.events.JobEvent, as the workers' are
+    assert [t for e in tokens for t in e.token_ids] == ids
+    assert all(len(e.logprobs) == len(e.token_ids) for e in tokens)
+    _same_logprobs([lp for e in tokens for lp in e.logprobs], logprobs)
+    assert events[-1].to_dict() == {
+        "type": "done",
+        "text": "",
+        "token_ids": [],
+        "finish_reason": "stop",
+        "stop_reason": stop_id,
+    }

@@ -18,6 +18,7 @@ from server.backends import JobsBackend
 from server.common import ServeConfig
 from server.protocol import APIError
 from workers import fleet_metrics
+from workers.events import JobEvent
 from workers.settings import JobSettings
 from workers.store import PREFIX, JobStore
 
@@ -74,12 +75,12 @@ class _Backend:
         pass
 
 
-def _token(text: str) -> dict:
-    return {"type": "token", "text": text, "token_ids": [1]}
+def _token(text: str) -> JobEvent:
+    return JobEvent("token", text, [1])
 
 
-def _done(text: str = "") -> dict:
-    return {"type": "done", "text": text, "finish_reason": "length"}
+def _done(text: str = "") -> JobEvent:
+    return JobEvent("done", text, finish_reason="length")
 
 
 def _data(body: str) -> list:

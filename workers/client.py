@@ -18,19 +18,23 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 
+from workers.events import JobEvent
 from workers.jobspec import parse_detect, parse_generate
 from workers.settings import JobSettings, model_queue
-from workers.store import FINAL_STATES, JobStore, check_job_id, parse_event
+from workers.store import FINAL_STATES, JobStore, check_job_id
 
 BLOCK_MS = 2000
 
 
 class JobError(RuntimeError):
-    """The job failed; the message is the job's error."""
+    """The job failed; the message is the job's error. A job refused by a FieldError keeps the
+    error's data: `field` (the bad field) and `code` (runtime/errors.py); None otherwise."""
 
-    def __init__(self, job_id: str, message: str) -> None:
+    def __init__(self, job_id: str, message: str, field: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.job_id = job_id
+        self.field = field
+        self.code = code
 
 
 class JobCancelledError(JobError):
@@ -171,7 +175,8 @@ class JobClient:
             return json.loads(final["result"])
         if final["state"] == "cancelled":
             raise JobCancelledError(job_id, f"job {job_id} was cancelled")
-        raise JobError(job_id, final.get("error") or f"job {job_id} failed")
+        detail = _error_detail(final)
+        raise JobError(job_id, final.get("error") or f"job {job_id} failed", detail.get("field"), detail.get("code"))
 
     def wait(self, job_ids: Iterable[str], timeout: float | None = None) -> set[str]:
         """Block until every job is final or `timeout` passes; returns the final ones."""
@@ -208,7 +213,7 @@ class JobClient:
         while True:
             entries = self.store.read_events(job_id, last, block_ms=block_ms)
             for event_id, fields in entries:
-                event = parse_event(event_id, fields)
+                event = JobEvent.from_fields(fields, event_id).to_dict()
                 last = event_id
                 yield event
                 if event["type"] in FINAL_STATES:
@@ -228,6 +233,17 @@ class JobClient:
         if outcome == "missing":
             raise JobNotFoundError(job_id)
         return outcome in ("cancelled", "cancelling")
+
+
+def _error_detail(final: dict) -> dict:
+    """A failed job's FieldError data ({field, code, message}), which the worker writes as the
+    final record's result (workers/jobs.py); {} for any other failure."""
+    try:
+        detail = json.loads(final.get("result") or "null")
+    except ValueError:
+        return {}
+    err = detail.get("error") if isinstance(detail, dict) else None
+    return err if isinstance(err, dict) else {}
 
 
 def _block_ms(deadline: float | None) -> int:

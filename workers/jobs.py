@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 
+from runtime.errors import FieldError
+from runtime.handles import DeadlineExceededError, error_for
 from runtime.vision.records import detection_record
 from workers.host import ActiveJob, Cancelled, Fenced, WorkerHost
 from workers.jobspec import allowed_path, allowed_url, decode_image_b64, parse_detect, parse_generate
@@ -72,24 +74,30 @@ def _run_reserved(host: WorkerHost, task: str, job_id: str, queue: str, kwargs: 
     job.queue = queue
     host.activate(job)
     result, error, state, trailing, exc_type = None, "", "done", "", RuntimeError
+    reason = ""
     try:
         result, trailing = body(host, job, kwargs)
     except Fenced:
         raise Duplicate(f"job {job_id} moved to another worker while this one ran it") from None
     except Cancelled:
         state = "cancelled"
-    except ValueError as exc:  # a bad field: the message names it
-        state, error, exc_type = "failed", str(exc), ValueError
+    except ValueError as exc:  # the caller's input, not the worker: `tandem serve` answers 400
+        state, error, exc_type, reason = "failed", str(exc), ValueError, "invalid_request"
+        if isinstance(exc, FieldError):  # its field and code as data, in the final record's result
+            result = {"error": exc.to_dict()}
+    except DeadlineExceededError as exc:  # `tandem serve` answers 504
+        state, error, reason = "failed", f"DeadlineExceeded: {exc}", "deadline_exceeded"
     except Exception as exc:  # noqa: BLE001 - fail this job, keep serving the rest
         if host.runtime_broken() is not None:
             # The worker's failure, not the job's: write no final state. The host leaves
             # (host._leave_broken) and the job runs again on another worker.
             raise Duplicate(f"job {job_id} abandoned: this worker's runtime broke ({exc})") from None
         state, error = "failed", f"{type(exc).__name__}: {exc}"
-    reason = result.get("finish_reason", "") if result else ("abort" if state != "done" else "")
-    if state == "failed" and exc_type is ValueError:
-        reason = "invalid_request"  # the caller's input, not the worker: `tandem serve` answers 400
-    stop = result.get("stop_reason") if result else None
+    if state == "done":
+        reason = result.get("finish_reason", "")
+    elif not reason:
+        reason = "abort"
+    stop = result.get("stop_reason") if state == "done" else None
     if not host.writer.finish(job, state, result, error, reason or "", trailing, stop).result():
         raise Duplicate(f"job {job_id} moved to another worker before it finished here")
     host.count(state)
@@ -126,7 +134,7 @@ def _time_left(job: ActiveJob, deadline_s: float | None) -> float | None:
         return None
     remaining = job.submitted_at + deadline_s - time.time()
     if remaining <= 0:
-        raise RuntimeError(f"DeadlineExceeded: deadline_s={deadline_s} passed before the job started")
+        raise DeadlineExceededError(f"deadline_s={deadline_s} passed before the job started")
     return remaining
 
 
@@ -196,7 +204,7 @@ def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict,
     if job.cancel_requested and out.finish_reason == "abort":
         raise Cancelled()
     if out.error:
-        raise RuntimeError(out.error)
+        raise error_for(out)  # DeadlineExceededError for a deadline: the job's finish_reason says so
     streamed = "".join(emitted)
     trailing = out.text[len(streamed) :] if out.text.startswith(streamed) else ""
     prompt_ids = job.prompt_token_ids if job.resumed_from else out.prompt_token_ids

@@ -1,6 +1,7 @@
 """What a task's JSON keyword arguments may hold, checked field by field. Clients run the same
 checks before they submit; workers run them again, since any Celery client can send anything.
-A bad field raises ValueError naming it. No torch here: clients import this."""
+A bad field raises FieldError (a ValueError) naming it, as data and in its message. No torch
+here: clients import this."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from runtime import errors
+from runtime.errors import FieldError
 from runtime.llm.sampling_params import SamplingParams
 from workers.urlguard import UrlPolicy, parse_url
 
@@ -38,26 +41,36 @@ class DetectSpec:
 def _unknown(kwargs: dict, allowed: tuple[str, ...], task: str) -> None:
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
-        raise ValueError(f"{task}: unknown field(s) {unknown}; allowed: {list(allowed)}")
+        raise FieldError(
+            unknown[0], f"{unknown[0]}: unknown field(s) {unknown} of {task}; allowed: {list(allowed)}", errors.UNKNOWN
+        )
 
 
 def _common(kwargs: dict) -> tuple[int, float | None]:
     priority = kwargs.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+        raise FieldError("priority", f"priority must be an integer (lower runs first), got {priority!r}")
     deadline = kwargs.get("deadline_s")
     bad = isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not deadline > 0
     if deadline is not None and bad:
-        raise ValueError(f"deadline_s must be a number > 0 (seconds from submission) or None, got {deadline!r}")
+        raise FieldError(
+            "deadline_s",
+            f"deadline_s must be a number > 0 (seconds from submission) or None, got {deadline!r}",
+            errors.OUT_OF_RANGE,
+        )
     return priority, deadline
 
 
 def _messages(messages: object) -> list[dict]:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
+        raise FieldError(
+            "messages", f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}"
+        )
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content', got {m!r}")
+            raise FieldError(
+                f"messages[{i}]", f"messages[{i}] must be a dict with string 'role' and 'content', got {m!r}"
+            )
     return messages
 
 
@@ -69,7 +82,11 @@ def parse_generate(kwargs: dict) -> GenerateSpec:
     _unknown(kwargs, GENERATE_FIELDS, "tandem.generate")
     prompt, messages = kwargs.get("prompt"), kwargs.get("messages")
     if (prompt is None) == (messages is None):
-        raise ValueError("prompt or messages: give exactly one (a prompt string or token ids, or chat messages)")
+        raise FieldError(
+            "prompt" if prompt is not None or messages is None else "messages",
+            "prompt or messages: give exactly one (a prompt string or token ids, or chat messages)",
+            errors.CONFLICT if prompt is not None else errors.MISSING,
+        )
     if messages is not None:
         body: str | list = _messages(messages)
     elif isinstance(prompt, str) and prompt:
@@ -77,7 +94,9 @@ def parse_generate(kwargs: dict) -> GenerateSpec:
     elif isinstance(prompt, list) and prompt and all(_token_id(t) for t in prompt):
         body = prompt
     else:
-        raise ValueError(f"prompt must be a non-empty string or a non-empty list of token ids, got {prompt!r}")
+        raise FieldError(
+            "prompt", f"prompt must be a non-empty string or a non-empty list of token ids, got {prompt!r}"
+        )
     params = SamplingParams(**{k: kwargs[k] for k in SAMPLING_FIELDS if k in kwargs})
     priority, deadline = _common(kwargs)
     return GenerateSpec(body, params, priority, deadline)
@@ -87,11 +106,15 @@ def parse_detect(kwargs: dict) -> DetectSpec:
     _unknown(kwargs, DETECT_FIELDS, "tandem.detect")
     given = [k for k in ("image", "url", "path") if kwargs.get(k) is not None]
     if len(given) != 1:
-        raise ValueError(f"image, url or path: give exactly one, got {given or 'none'}")
+        raise FieldError(
+            given[1] if given else "image",
+            f"image, url or path: give exactly one, got {given or 'none'}",
+            errors.CONFLICT if given else errors.MISSING,
+        )
     kind = given[0]
     value = kwargs[kind]
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{kind} must be a non-empty string, got {type(value).__name__}")
+        raise FieldError(kind, f"{kind} must be a non-empty string, got {type(value).__name__}")
     priority, deadline = _common(kwargs)
     return DetectSpec(kind, value, priority, deadline)
 
@@ -100,9 +123,9 @@ def decode_image_b64(value: str) -> bytes:
     try:
         data = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError("image must be base64-encoded image bytes") from None
+        raise FieldError("image", "image must be base64-encoded image bytes") from None
     if len(data) > MAX_IMAGE_BYTES:
-        raise ValueError(f"image must be at most {MAX_IMAGE_BYTES} bytes, got {len(data)}")
+        raise FieldError("image", f"image must be at most {MAX_IMAGE_BYTES} bytes, got {len(data)}", errors.TOO_LONG)
     return data
 
 
@@ -110,12 +133,14 @@ def allowed_path(path: str, roots: tuple[str, ...]) -> str:
     """The real path of `path` if it lies under one of `roots` (after resolving symlinks and
     '..'), else ValueError. With no roots configured no path is allowed."""
     if not roots:
-        raise ValueError("path: this worker allows no file paths (set TANDEM_ALLOWED_ROOTS)")
+        raise FieldError(
+            "path", "path: this worker allows no file paths (set TANDEM_ALLOWED_ROOTS)", errors.UNSUPPORTED
+        )
     real = os.path.realpath(path)
     for root in roots:
         if os.path.commonpath([real, root]) == root:
             return real
-    raise ValueError(f"path {path!r} is outside the allowed roots (TANDEM_ALLOWED_ROOTS)")
+    raise FieldError("path", f"path {path!r} is outside the allowed roots (TANDEM_ALLOWED_ROOTS)")
 
 
 def allowed_url(url: str, prefixes: tuple[str, ...]) -> str:

@@ -18,6 +18,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from workers import lua
+from workers.events import TOKEN, TOOL_KINDS, JobEvent
+from workers.lua_events import APPEND
 from workers.message import broker_list, broker_lists, task_message
 from workers.retry import Backoff, retry
 from workers.settings import JobSettings
@@ -155,6 +157,7 @@ class JobStore:
         self._cancel = r.register_script(lua.CANCEL)
         self._reap = r.register_script(lua.REAP)
         self._republish = r.register_script(lua.REPUBLISH)
+        self._append = r.register_script(APPEND)
 
     def retrying(self, fn: Callable[[], T], what: str) -> T:
         """Run `fn`, retrying while Redis is unreachable or still loading its append-only file,
@@ -340,9 +343,16 @@ class JobStore:
             json.dumps(stop_reason) if stop_reason is not None else "",  # JSON: a stop string or a token id
         ]
 
+    def append_args(self, job_id: str, token: str, seq: int, event: JobEvent) -> list:
+        """ARGV of lua_events.APPEND: the job's `seq`-th appended event (0, 1, ...), a tool kind."""
+        if event.type not in TOOL_KINDS:
+            raise ValueError(f"only {TOOL_KINDS} events are appended; tokens and ends have scripts of their own")
+        pairs = [x for kv in event.to_fields().items() for x in kv]
+        return [PREFIX, job_id, token, seq, self.settings.stream_maxlen, *pairs]
+
     def run_scripts(self, calls: list[tuple[str, list]]) -> list[int]:
-        """Run ("emit" | "finish", args) calls in one round trip, in order."""
-        scripts = {"emit": self._emit, "finish": self._finish}
+        """Run ("emit" | "append" | "finish", args) calls in one round trip, in order."""
+        scripts = {"emit": self._emit, "append": self._append, "finish": self._finish}
 
         def run():
             pipe = self.redis.pipeline(transaction=False)
@@ -456,19 +466,29 @@ class JobStore:
         ids, text, _ = self.prefix(job_id)
         return ids, text
 
+    def events(self, job_id: str) -> list[JobEvent]:
+        """Every event of the job's stream so far, in order (a resumed tool job reads its calls)."""
+        entries = self.retrying(lambda: self.redis.xrange(events_key(job_id)), "events")
+        return [JobEvent.from_fields(fields, event_id) for event_id, fields in entries]
+
     def prefix(self, job_id: str) -> tuple[list[int], str, list[dict] | None]:
         """The token ids, text and logprobs (None where the events carry none) already streamed
         by earlier attempts, in order."""
-        ids: list[int] = []
-        parts: list[str] = []
-        logprobs: list[dict] | None = None
-        for _, ev in self.retrying(lambda: self.redis.xrange(events_key(job_id)), "prefix_tokens"):
-            if ev.get("type") == "token":
-                ids.extend(json.loads(ev["token_ids"]))
-                parts.append(ev.get("text", ""))
-                if ev.get("logprobs"):
-                    logprobs = (logprobs or []) + json.loads(ev["logprobs"])
-        return ids, "".join(parts), logprobs
+        return prefix_of(self.events(job_id))
+
+
+def prefix_of(events: list[JobEvent]) -> tuple[list[int], str, list[dict] | None]:
+    """The token ids, content text and logprobs (None where the events carry none) of `events`."""
+    ids: list[int] = []
+    parts: list[str] = []
+    logprobs: list[dict] | None = None
+    for ev in events:
+        if ev.type == TOKEN:
+            ids.extend(ev.token_ids)
+            parts.append(ev.text)
+            if ev.logprobs:
+                logprobs = (logprobs or []) + ev.logprobs
+    return ids, "".join(parts), logprobs
 
 
 def lease_alive(until: str | None, now: float) -> bool:
@@ -492,21 +512,3 @@ def _streams(reply) -> list:
     if isinstance(reply, dict):
         return list(reply.items())
     return [(k, v) for k, v in reply]
-
-
-def parse_event(event_id: str, fields: dict[str, str]) -> dict:
-    """A stream entry as a client sees it."""
-    ev: dict = {"id": event_id, "type": fields.get("type", "")}
-    for name in ("attempt", "index", "resumed_from", "num_tokens"):
-        if name in fields:
-            ev[name] = int(fields[name])
-    if "token_ids" in fields:
-        ev["token_ids"] = json.loads(fields["token_ids"])
-        ev["text"] = fields.get("text", "")
-    for name in ("logprobs", "stop_reason"):  # JSON: a list aligned with token_ids; a string or an id
-        if fields.get(name):
-            ev[name] = json.loads(fields[name])
-    for name in ("finish_reason", "error", "worker"):
-        if fields.get(name):
-            ev[name] = fields[name]
-    return ev

@@ -6,7 +6,7 @@ trip. Why: a round trip per token per job would cost each of the running jobs a 
 per engine step, all competing for the GIL with the engine's own thread; batched, a step of
 16 jobs costs one.
 
-Order per job is kept (a job's finish is written after its tokens). Every call is idempotent
+Order per job is kept (a job's finish is written after its tokens and tool events). Every call is idempotent
 (keyed by token index, or by the claim's token for a finish), so a batch retried after a lost
 reply from Redis writes nothing twice.
 """
@@ -43,6 +43,13 @@ class _Emit:
 
 
 @dataclass(slots=True)
+class _Append:
+    job: object
+    seq: int  # the job's seq-th appended event (lua_events.APPEND)
+    event: object  # events.JobEvent, a tool kind
+
+
+@dataclass(slots=True)
 class _Finish:
     job: object
     args: list
@@ -67,6 +74,10 @@ class EventWriter:
     ) -> None:
         lp = list(logprobs) if logprobs is not None else None
         self._queue.put(_Emit(job, start, list(token_ids), text, prompt_token_ids, time.time(), lp))
+
+    def append(self, job, seq: int, event) -> None:
+        """Write a tool_call / tool_args JobEvent after the job's tokens queued so far."""
+        self._queue.put(_Append(job, seq, event))
 
     def finish(
         self,
@@ -121,6 +132,8 @@ class EventWriter:
                     item.logprobs,
                 )
                 calls.append(("emit", args))
+            elif isinstance(item, _Append):
+                calls.append(("append", self.store.append_args(item.job.job_id, item.job.token, item.seq, item.event)))
             else:
                 calls.append(("finish", item.args))
         # Keep trying however long Redis is away: giving up would leave the job claimed by a live

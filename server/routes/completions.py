@@ -34,9 +34,9 @@ from server.common import (
 )
 from server.protocol import APIError, Generation
 from server.routes.models import resolve_model
+from workers.events import CANCELLED, DONE, FAILED, JobEvent
 
 router = APIRouter()
-FINAL = ("done", "failed", "cancelled")
 
 
 @router.post("/v1/completions", openapi_extra=openapi.request_body("Completion"))
@@ -55,7 +55,7 @@ class Choice:
 
     index: int
     stream: object  # backends.Stream
-    events: AsyncIterator[dict]
+    events: AsyncIterator[JobEvent]
     text_offset: int = 0  # characters sent so far (the completions API's text_offset)
     done: bool = False
 
@@ -110,7 +110,7 @@ async def run(gen: Generation, request: Request) -> Response:
                 raise
         for f in firsts:
             event = f.result() if f.done() else None
-            if event is not None and event["type"] in ("failed", "cancelled"):
+            if event is not None and event.type in (FAILED, CANCELLED):
                 raise failure(event)
     except BaseException:
         for f in firsts:
@@ -142,26 +142,26 @@ def cancel(ctx: ServerContext, choices: list[Choice]) -> None:
             ctx.later(close_stream(c.stream, c.events))
 
 
-async def _next(c: Choice) -> dict:
+async def _next(c: Choice) -> JobEvent:
     try:
         event = await c.events.__anext__()
     except StopAsyncIteration:
-        event = {"type": "failed", "error": "the job ended without a result"}
-    if event["type"] in FINAL:
+        event = JobEvent(FAILED, error="the job ended without a result")
+    if event.final:
         c.done = True
     return event
 
 
-async def _collect(gen: Generation, c: Choice, first: dict) -> dict:
+async def _collect(gen: Generation, c: Choice, first: JobEvent) -> dict:
     parts, entries, event = [], [], first
     while True:
-        parts.append(event.get("text", ""))
-        entries.extend(event.get("logprobs") or ())
-        if event["type"] == "done":
+        parts.append(event.text)
+        entries.extend(event.logprobs or ())
+        if event.type == DONE:
             text = (gen.job["prompt"] if gen.echo else "") + "".join(parts)
             lp = protocol.logprobs_of(gen, entries)
-            return protocol.choice(gen, c.index, text, event.get("finish_reason"), event.get("stop_reason"), lp)
-        if event["type"] in ("failed", "cancelled"):
+            return protocol.choice(gen, c.index, text, event.finish_reason, event.stop_reason, lp)
+        if event.type in (FAILED, CANCELLED):
             raise failure(event)
         event = await _next(c)
 
@@ -175,23 +175,22 @@ async def _pump(c: Choice, first: asyncio.Future, queue: asyncio.Queue) -> None:
         event = await first
         while True:
             await queue.put((c, event))
-            if event["type"] in FINAL:
+            if event.final:
                 return
             event = await _next(c)
     except Exception as exc:  # noqa: BLE001 - reported in the stream, as the choice's failure
         await queue.put((c, lost_event(c.stream.id, exc)))
 
 
-def lost_event(job_id: str, exc: BaseException) -> dict:
+def lost_event(job_id: str, exc: BaseException) -> JobEvent:
     """The final event of a choice whose events could no longer be read."""
     why = exc.message if isinstance(exc, APIError) else f"{type(exc).__name__}: {exc}"
-    return {
-        "type": "failed",
-        "text": "",
-        "job_id": job_id,
-        "finish_reason": "abort",
-        "error": f"lost the events of job {job_id} ({why}); GET /v1/jobs/{job_id} for its state",
-    }
+    return JobEvent(
+        FAILED,
+        job_id=job_id,
+        finish_reason="abort",
+        error=f"lost the events of job {job_id} ({why}); GET /v1/jobs/{job_id} for its state",
+    )
 
 
 def _retrieve(task: asyncio.Future) -> None:
@@ -230,18 +229,18 @@ async def sse(
                         yield KEEPALIVE
                         continue
                     c, event = item
-                    kind = event["type"]
-                    if kind in ("failed", "cancelled"):
+                    kind = event.type
+                    if kind in (FAILED, CANCELLED):
                         ended = True
                         yield sse_data(failure(event).body())
                         break
-                    text = event.get("text", "")
-                    lp = protocol.logprobs_of(gen, event.get("logprobs"), c.text_offset)
-                    c.text_offset += sum(len(e["token"]) for e in event.get("logprobs") or ())
-                    if kind == "done":
+                    text = event.text
+                    lp = protocol.logprobs_of(gen, event.logprobs, c.text_offset)
+                    c.text_offset += sum(len(e["token"]) for e in event.logprobs or ())
+                    if kind == DONE:
                         c.done = True
                         left -= 1
-                        reason, stop = event.get("finish_reason"), event.get("stop_reason")
+                        reason, stop = event.finish_reason, event.stop_reason
                         yield sse_data(
                             protocol.chunk(gen, model, text, reason, index=c.index, logprobs=lp, stop_reason=stop)
                         )

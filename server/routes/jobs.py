@@ -172,7 +172,7 @@ async def job_events(job_id: str, request: Request) -> Response:
                 yield KEEPALIVE
                 continue
             event_id, event = item
-            yield f"id: {event_id}\nevent: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+            yield f"id: {event_id}\nevent: {event.type}\ndata: {json.dumps(event.to_dict())}\n\n".encode()
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
