@@ -8,14 +8,52 @@ outs = llm.chat([{"role": "user", "content": "What is the capital of France?"}])
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from runtime.llm.engine import EngineConfig, LLMEngine
 from runtime.llm.outputs import RequestOutput
 from runtime.llm.sampling_params import SamplingParams
+from runtime.llm.tools import ParsedMessage, ToolCall, ToolFormat, parse_tools, tool_format_for
 from runtime.memory import DeviceMemoryManager
 
 Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class ChatResult:
+    """One answer of LLM.chat with tools: the request's output and the message parsed from it.
+    Other attributes (token_ids, metrics, ...) are the output's."""
+
+    output: RequestOutput
+    message: ParsedMessage
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.message.tool_calls
+
+    @property
+    def content(self) -> str | None:
+        return self.message.content
+
+    @property
+    def text(self) -> str:
+        return self.output.text
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's: "tool_calls" when the model ended by calling tools."""
+        if self.message.tool_calls and self.output.finish_reason == "stop":
+            return "tool_calls"
+        return self.output.finish_reason
+
+    def __getattr__(self, name: str):
+        return getattr(self.output, name)
+
+
+def _has_tool_turns(conversation: list[dict]) -> bool:
+    return any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in conversation)
 
 
 class LLM:
@@ -117,9 +155,20 @@ class LLM:
         messages: str | list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
-    ) -> list[RequestOutput]:
+        *,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_format: str | None = None,
+    ) -> list[RequestOutput] | list[ChatResult]:
         """One conversation (a list of {"role", "content"} dicts, or a string: one user
-        message) or several, through the model's chat template."""
+        message) or several, through the model's chat template.
+
+        With `tools` (OpenAI's, with tool_choice and parallel_tool_calls), or with tool turns in
+        the conversation (assistant tool_calls, role "tool"), the prompt is the tool format's
+        (runtime/llm/tools.py; `tool_format` overrides the template's family), the calls are held
+        to the tools' schemas by a grammar, and each answer is a ChatResult whose `tool_calls`
+        and `content` are parsed; otherwise RequestOutputs, as without tools."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if not isinstance(messages, (list, tuple)) or not messages or isinstance(messages[0], str):
@@ -129,8 +178,39 @@ class LLM:
                 + (" of strings" if isinstance(messages, (list, tuple)) and messages else "")
             )
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(conv) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        request = parse_tools(tools, tool_choice, parallel_tool_calls)
+        if request is None and tool_format is None and not any(_has_tool_turns(c) for c in conversations):
+            prompts = [self.apply_chat_template(conv) for conv in conversations]
+            return self.generate(prompts, sampling_params, use_tqdm)
+        fmt = self.tool_format(tool_format)
+        prompts = [fmt.render(self.engine.tokenizer, conv, request) for conv in conversations]
+        params = self._with_tool_grammar(sampling_params, fmt.structured_outputs(request), len(prompts))
+        outs = self.generate(prompts, params, use_tqdm)
+        return [ChatResult(out, fmt.parse(out.text, request)) for out in outs]
+
+    def tool_format(self, override: str | None = None) -> ToolFormat:
+        """The tool format of this model's chat template (or the one `override` names)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template; use plain prompts")
+        return tool_format_for(tokenizer, override)
+
+    @staticmethod
+    def _with_tool_grammar(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, spec: dict | None, n: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * n
+        else:
+            params = list(sampling_params)
+        if spec is None:
+            return params
+        out = []
+        for sp in params:
+            if sp.structured_outputs is not None:
+                raise ValueError("structured_outputs cannot be combined with tools: the tool grammar holds the output")
+            out.append(dataclasses.replace(sp, structured_outputs=spec))
+        return out
 
     def apply_chat_template(self, conversation: list[dict]) -> str:
         return self.engine.apply_chat_template(conversation)
