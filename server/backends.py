@@ -27,6 +27,7 @@ from runtime.errors import FieldError
 from server import protocol
 from server.protocol import APIError, Generation
 from workers.events import CANCELLED, DONE, FAILED, TOKEN, JobEvent
+from workers.tool_stream import TOOL_FIELDS, ToolJob, ToolStream
 
 log = logging.getLogger("tandem.serve")
 MODELS_TTL_S = 1.0  # how long the list of served models (read from Redis) is reused
@@ -95,7 +96,7 @@ class JobStream:
 class JobsBackend:
     mode = "jobs"
 
-    def __init__(self, settings=None, max_queued: int = 256) -> None:
+    def __init__(self, settings=None, max_queued: int = 256, tool_call_parser: str | None = None) -> None:
         import redis.asyncio as aioredis
 
         from workers import lua
@@ -103,6 +104,7 @@ class JobsBackend:
 
         self.settings = settings or JobSettings.from_env()
         self.max_queued = max_queued
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser: sent with each tool job
         self.redis = aioredis.Redis.from_url(
             self.settings.redis_url,
             decode_responses=True,
@@ -210,6 +212,8 @@ class JobsBackend:
         kwargs = dict(gen.job)
         if deadline_s is not None:
             kwargs["deadline_s"] = deadline_s  # a job still queued then never runs
+        if gen.tools and self.tool_call_parser is not None:
+            kwargs.setdefault("tool_call_parser", self.tool_call_parser)
         max_tokens = kwargs.get("max_tokens", 16)
         job_id, _, _ = await self.submit(
             "tandem.generate",
@@ -413,14 +417,17 @@ def job_error(event: JobEvent) -> APIError:
 
 
 class HandleStream:
-    """A GenerationHandle read from the event loop: the handle's listener wakes the loop."""
+    """A GenerationHandle read from the event loop: the handle's listener wakes the loop. With a
+    `tools` ToolStream (workers/tool_stream.py), a tool job's text becomes content and tool
+    events here, as a worker's does."""
 
-    def __init__(self, handle, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, handle, loop: asyncio.AbstractEventLoop, tools=None) -> None:
         self.handle = handle
         self.id = handle.request_id
         self._wake = asyncio.Event()
         self._loop = loop
         self.final = None
+        self.tools = tools
         handle.set_listener(lambda: loop.is_closed() or loop.call_soon_threadsafe(self._wake.set))
 
     async def events(self) -> AsyncIterator[JobEvent]:
@@ -432,7 +439,10 @@ class HandleStream:
                 if out.delta_token_ids or out.delta_text:
                     # contract B: logprobs aligned with the ids
                     logprobs = getattr(out, "delta_logprobs", None)
-                    yield JobEvent(TOKEN, out.delta_text, list(out.delta_token_ids), logprobs)
+                    text, calls = self.tools.feed(out.delta_text) if self.tools else (out.delta_text, [])
+                    yield JobEvent(TOKEN, text, list(out.delta_token_ids), logprobs)
+                    for event in calls:
+                        yield event
                 if out.finished:
                     self.final = out
             if error is not None:
@@ -444,7 +454,12 @@ class HandleStream:
                     yield JobEvent(FAILED, error=str(error), finish_reason="deadline_exceeded" if deadline else "abort")
                 return
             if self.final is not None:
-                yield JobEvent(DONE, finish_reason=self.final.finish_reason, stop_reason=self.final.stop_reason)
+                text, reason = "", self.final.finish_reason
+                if self.tools is not None:
+                    text, calls, _, reason = self.tools.finish(reason)
+                    for event in calls:
+                        yield event
+                yield JobEvent(DONE, text, finish_reason=reason, stop_reason=self.final.stop_reason)
                 return
             await self._wake.wait()
             self._wake.clear()
@@ -470,12 +485,14 @@ class EmbeddedBackend:
         max_queued: int = 256,
         allowed_roots: tuple[str, ...] = (),
         allowed_url_prefixes: tuple[str, ...] = (),
+        tool_call_parser: str | None = None,
     ) -> None:
         self.runtime = runtime
         self.model_name = model_name
         self.max_queued = max_queued
         self.allowed_roots = allowed_roots
         self.allowed_url_prefixes = allowed_url_prefixes
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser (None: the chat template's family)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.runtime.close, False, 30)
@@ -514,14 +531,28 @@ class EmbeddedBackend:
                 headers={"Retry-After": "1"},
             )
         job = dict(gen.job)
+        if gen.tools and self.tool_call_parser is not None:
+            job.setdefault("tool_call_parser", self.tool_call_parser)
+        tools = ToolJob.from_kwargs(job)  # the same tool job a worker runs (protocol checked it)
+        for name in TOOL_FIELDS:
+            job.pop(name, None)
         prompt = job.pop("messages", None) or job.pop("prompt")
         priority = job.pop("priority", 0)
         params = SamplingParams(**job)
-        try:  # the chat template and the tokenizer run off the event loop
-            handle = await asyncio.to_thread(rt.submit_generate, prompt, params, priority, deadline_s)
+
+        def submit():  # the chat template and the tokenizer run off the event loop
+            nonlocal prompt, params
+            stream = None
+            if tools is not None:
+                prompt, params, fmt = tools.prepare(rt.tokenizer, prompt, params)
+                stream = ToolStream(fmt, tools.request)
+            return rt.submit_generate(prompt, params, priority, deadline_s), stream
+
+        try:
+            handle, stream = await asyncio.to_thread(submit)
         except ValueError as exc:
             raise protocol.field_error(exc) from None
-        return HandleStream(handle, asyncio.get_running_loop())
+        return HandleStream(handle, asyncio.get_running_loop(), stream)
 
     async def cancel(self, request_id: str) -> str:
         return "missing"

@@ -1,11 +1,12 @@
-"""OpenAI's request and response shapes, checked field by field. No FastAPI, Redis or torch
-here: plain dicts in, plain dicts out, so the checks are testable on their own.
+"""OpenAI's requests, checked field by field (the answers' shapes are server/responses.py's).
+No FastAPI, Redis or torch here: plain dicts in, plain dicts out, so the checks are testable on
+their own.
 
 A request becomes a `Generation`: what to run (a prompt, token ids or chat messages), the job
-keyword arguments the workers take (SamplingParams fields, priority), and how to answer (n
-choices, echo, logprobs, stream or not, usage in the stream). Every refusal is an `APIError`
-naming the field, with the HTTP status OpenAI's API would give. The job API (/v1/jobs) runs
-`check_job` too, so that both front doors refuse the same inputs.
+keyword arguments the workers take (SamplingParams fields, priority, chat's tools), and how to
+answer (n choices, echo, logprobs, stream or not, usage in the stream). Every refusal is an
+`APIError` naming the field, with the HTTP status OpenAI's API would give. The job API
+(/v1/jobs) runs `check_job` too, so that both front doors refuse the same inputs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 from runtime.errors import FieldError
 from runtime.llm.sampling_params import SamplingParams
 from server.http_errors import APIError  # the shape serve and streams share (protocol.APIError)
+from workers.jobspec import check_chat_messages
+from workers.tool_stream import TOOL_FIELDS, ToolJob, has_tool_turns
 
 MAX_N = 16  # choices per request: each is its own job, so n multiplies the load
 MAX_LOGPROBS = 20  # vLLM's cap (OpenAI's is 5 for completions, 20 for chat)
@@ -41,9 +44,11 @@ _ONLY_DEFAULT = {
     "length_penalty": (1, 1.0),  # beam search only
     "spaces_between_special_tokens": (True,),
 }
-_ONLY_DEFAULT_CHAT = {"add_generation_prompt": (True,), "tool_choice": ("none", "auto"), "tools": ([],)}
+_ONLY_DEFAULT_CHAT = {"add_generation_prompt": (True,)}
 # Fields accepted and ignored, as in OpenAI's and vLLM's servers: they change nothing in the answer.
-_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+_IGNORED = {"user", "metadata", "store", "service_tier"}
+# Chat's tool calling (workers/tool_stream.py): OpenAI's fields, carried by the job as sent.
+_TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 # SamplingParams fields a request may set directly (vLLM's extras included).
 _SAMPLING = (
     "max_tokens",
@@ -68,7 +73,7 @@ _STRUCTURED_SOURCES = ("response_format", "structured_outputs", *_GUIDED)
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _INTS = ("max_tokens", "top_k", "min_tokens", "seed", "priority")
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-_NOT_SAMPLING = ("prompt", "messages", "priority", "deadline_s")
+_NOT_SAMPLING = ("prompt", "messages", "priority", "deadline_s", *TOOL_FIELDS)
 
 
 def clip(value: Any) -> str:
@@ -133,12 +138,25 @@ class Generation:
             job["seed"] = choice_seed(job["seed"], index)
         return job
 
+    @property
+    def tools(self) -> bool:
+        """Is this a tool job (tools offered, or tool turns in the conversation)? Its answer's
+        calls come as tool events, parsed where it runs (workers/tool_stream.py)."""
+        return any(self.job.get(f) is not None for f in TOOL_FIELDS) or has_tool_turns(self.job.get("messages"))
+
     def prompt_bytes(self) -> int:
         """The UTF-8 size of what the model reads (token ids: one per id, the least a token takes)."""
         if "messages" in self.job:
-            return sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in self.job["messages"])
+            return sum(_message_bytes(m) for m in self.job["messages"])
         prompt = self.job["prompt"]
         return len(prompt.encode("utf-8", "surrogatepass")) if isinstance(prompt, str) else len(prompt)
+
+
+def _message_bytes(m: dict) -> int:
+    size = len((m.get("content") or "").encode("utf-8", "surrogatepass"))
+    for call in m.get("tool_calls") or ():
+        size += len(call["function"]["arguments"].encode("utf-8", "surrogatepass"))
+    return size
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -165,7 +183,9 @@ def _is_finite(v: Any) -> bool:
 
 
 def check_messages(messages: Any) -> list[dict]:
-    """Chat messages as the workers take them: [{"role", "content": str}], developer as system."""
+    """Chat messages as the workers take them: {"role", "content": str}, developer as system;
+    an assistant's `tool_calls` (its content then may be null) and a tool's `tool_call_id` kept,
+    checked by workers/jobspec.py's check_chat_messages (the workers run it again)."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list of {'role', 'content'} objects")
     clean = []
@@ -175,11 +195,36 @@ def check_messages(messages: Any) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}, got {clip(role)}")
-        extra = sorted(set(m) - {"role", "content", "name"})
+        extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
         if extra:
             raise bad(f"messages[{i}].{extra[0]}", f"messages[{i}].{extra[0]} is not supported (text messages only)")
-        clean.append({"role": "system" if role == "developer" else role, "content": _content(i, m.get("content"))})
-    return clean
+        entry = {"role": "system" if role == "developer" else role}
+        calls = m.get("tool_calls")
+        content = m.get("content")
+        entry["content"] = None if content is None and calls else _content(i, content)
+        if calls is not None:
+            entry["tool_calls"] = calls
+        if "tool_call_id" in m:
+            entry["tool_call_id"] = m["tool_call_id"]
+        clean.append(entry)
+    try:
+        return check_chat_messages(clean)
+    except ValueError as exc:
+        raise field_error(exc) from None
+
+
+def _tools(body: dict, source: str | None) -> dict:
+    """Chat's tools, tool_choice and parallel_tool_calls as job fields, checked; {} for none."""
+    fields = {name: body[name] for name in _TOOLS if body.get(name) is not None}
+    if not fields:
+        return {}
+    try:
+        job = ToolJob.from_kwargs({**fields, "messages": []})
+    except ValueError as exc:
+        raise field_error(exc) from None
+    if source is not None and job.request is not None and job.request.tool_choice != "none":
+        raise bad(source, f"{source} cannot be combined with tools (the tool grammar holds the output); use one")
+    return fields
 
 
 def check_text(name: str, value: str) -> None:
@@ -424,6 +469,7 @@ def parse_chat(body: Any) -> Generation:
         body,
         _COMMON_FIELDS
         | set(_ONLY_DEFAULT_CHAT)
+        | set(_TOOLS)
         | {"messages", "max_completion_tokens", "top_logprobs", "chat_template"},
     )
     if body.get("chat_template") is not None:
@@ -432,127 +478,9 @@ def parse_chat(body: Any) -> Generation:
         )
     clean = check_messages(body.get("messages"))
     job, stream, include_usage, timeout, n = _common(body, "chat")
+    job.update(_tools(body, _structured(body)[1]))
     job["messages"] = clean
     gen = Generation("chat", _model(body), job, stream, include_usage, timeout, n)
     if body.get("max_completion_tokens") is not None:
         gen.max_tokens_name = "max_completion_tokens"
     return gen
-
-
-# ---- responses ----------------------------------------------------------------------------------
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def merged_usage(uses: list[dict]) -> dict:
-    """n choices' usage: the prompt counted once, the completions summed. A choice that reports
-    none ({}: its result could not be read) adds nothing, and takes nothing from the others."""
-    known = [u for u in uses if u]
-    if not known:
-        return {}
-    return usage(known[0]["prompt_tokens"], sum(u["completion_tokens"] for u in known))
-
-
-def logprobs_of(gen: Generation, entries: list[dict] | None, offset: int = 0) -> dict | None:
-    """Contract B's per-token entries in the endpoint's shape: chat's
-    {"content": [{token, logprob, bytes, top_logprobs: [...]}]}, or the completions API's
-    {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}. `offset`: the
-    characters of this choice's text before these tokens (a stream's earlier chunks). Each token's
-    text offset counts the token strings before it (a token may end mid-character)."""
-    if gen.logprobs is None or entries is None:
-        return None
-    if gen.kind == "chat":
-        return {
-            "content": [
-                {
-                    "token": e["token"],
-                    "logprob": e["logprob"],
-                    "bytes": e["bytes"],
-                    "top_logprobs": [
-                        {"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]} for t in e["top"]
-                    ],
-                }
-                for e in entries
-            ]
-        }
-    offsets, at = [], offset
-    for e in entries:
-        offsets.append(at)
-        at += len(e["token"])
-    return {
-        "tokens": [e["token"] for e in entries],
-        "token_logprobs": [e["logprob"] for e in entries],
-        # As vLLM: the top k and the sampled token, which may not be among them.
-        "top_logprobs": [{**{t["token"]: t["logprob"] for t in e["top"]}, e["token"]: e["logprob"]} for e in entries],
-        "text_offset": offsets,
-    }
-
-
-def choice(gen: Generation, index: int, text: str, finish_reason: str | None, stop_reason, logprobs) -> dict:
-    """One choice of the non-streaming answer."""
-    if gen.kind == "chat":
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-            "stop_reason": stop_reason,
-        }
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
-    }
-
-
-def response(gen: Generation, model: str, choices: list[dict], use: dict) -> dict:
-    """The non-streaming answer."""
-    obj = "chat.completion" if gen.kind == "chat" else "text_completion"
-    return {"id": gen.id, "object": obj, "created": gen.created, "model": model, "choices": choices, "usage": use}
-
-
-def chunk(
-    gen: Generation,
-    model: str,
-    text: str | None,
-    finish_reason: str | None = None,
-    *,
-    index: int = 0,
-    role: bool = False,
-    logprobs: dict | None = None,
-    stop_reason=None,
-    use: dict | None = None,
-    no_choices: bool = False,
-) -> dict:
-    """One streamed chunk of choice `index`. `role`: a chat choice's first chunk; `no_choices`: the usage chunk."""
-    if gen.kind == "chat":
-        delta: dict = {}
-        if role:
-            delta["role"] = "assistant"
-        if text is not None:
-            delta["content"] = text
-        item = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    else:
-        item = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
-    if finish_reason is not None:
-        item["stop_reason"] = stop_reason
-    out = {
-        "id": gen.id,
-        "object": obj,
-        "created": gen.created,
-        "model": model,
-        "choices": [] if no_choices else [item],
-    }
-    if gen.include_usage:
-        out["usage"] = use  # null on every chunk but the last, as OpenAI sends it
-    return out

@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from runtime.llm.tools import TOOL_FORMATS
 from workers.worker import add_runtime_arguments
 
 
@@ -49,6 +50,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         help="seconds a connection may take to send a request's headers before it is closed",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_FORMATS,
+        help="the tool-call format (prompt, grammar and parser) of chat requests with tools; default: the one the "
+        "model's chat template renders (hermes: Qwen2.5 and Hermes-style <tool_call>; llama3_json: Llama 3.1's "
+        "JSON calls), else generic, a documented prompt with <tool_call> tags (runtime/llm/tools_formats.py)",
     )
     p.add_argument("--log-level", default="warning", help="the log level of uvicorn and of tandem serve's own lines")
     add_runtime_arguments(p)  # the Runtime's flags, used with --embedded
@@ -90,7 +99,7 @@ def build_backend(args: argparse.Namespace):
         overrides["allowed_url_prefixes"] = tuple(p.strip() for p in args.allowed_url_prefixes.split(","))
     settings = JobSettings.from_env(**overrides)
     if not args.embedded:
-        return JobsBackend(settings, max_queued=args.max_queued)
+        return JobsBackend(settings, max_queued=args.max_queued, tool_call_parser=args.tool_call_parser)
     from runtime.runtime import Runtime
     from workers.host import served_model_name
     from workers.worker import worker_plan
@@ -98,7 +107,14 @@ def build_backend(args: argparse.Namespace):
     config, _, _ = worker_plan(args)
     runtime = Runtime(**config)
     name = args.served_model_name or served_model_name((config.get("llm") or {}).get("model"))
-    return EmbeddedBackend(runtime, name, args.max_queued, settings.allowed_roots, settings.allowed_url_prefixes)
+    return EmbeddedBackend(
+        runtime,
+        name,
+        args.max_queued,
+        settings.allowed_roots,
+        settings.allowed_url_prefixes,
+        tool_call_parser=args.tool_call_parser,
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_jobs_support import RedisServer, wait_for
 
-from server import protocol
+from server import responses
 from server.app import create_app
 from server.backends import JobsBackend
 from server.common import ServeConfig
@@ -115,13 +115,13 @@ def test_a_choice_whose_events_fail_mid_stream_ends_the_stream_at_once_naming_it
 
 
 def test_n_choices_usage_counts_every_choice_even_when_one_reports_none():
-    a = protocol.usage(3, 2)
-    assert protocol.merged_usage([a, protocol.usage(3, 4)]) == protocol.usage(3, 6)
+    a = responses.usage(3, 2)
+    assert responses.merged_usage([a, responses.usage(3, 4)]) == responses.usage(3, 6)
     # choice 1 reported nothing (its result unread): the others still count, not choice 0 alone
-    assert protocol.merged_usage([a, {}, protocol.usage(3, 5)]) == protocol.usage(3, 7)
-    assert protocol.merged_usage([{}, a]) == protocol.usage(3, 2)
-    assert protocol.merged_usage([{}, {}]) == {}
-    assert protocol.merged_usage([]) == {}
+    assert responses.merged_usage([a, {}, responses.usage(3, 5)]) == responses.usage(3, 7)
+    assert responses.merged_usage([{}, a]) == responses.usage(3, 2)
+    assert responses.merged_usage([{}, {}]) == {}
+    assert responses.merged_usage([]) == {}
 
 
 def test_health_takes_the_served_model_name():

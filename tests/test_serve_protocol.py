@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime import metrics
-from server import protocol
+from server import protocol, responses
 from server.metrics import render
 from server.protocol import APIError
 
@@ -152,9 +152,9 @@ def test_stream_chunks_carry_null_usage_until_the_last():
     gen = protocol.parse_chat(
         {"messages": [{"role": "user", "content": "x"}], "stream": True, "stream_options": {"include_usage": True}}
     )
-    first = protocol.chunk(gen, "m", "", role=True)
+    first = responses.chunk(gen, "m", "", role=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""} and first["usage"] is None
-    last = protocol.chunk(gen, "m", None, use=protocol.usage(3, 2), no_choices=True)
+    last = responses.chunk(gen, "m", None, use=responses.usage(3, 2), no_choices=True)
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 5
 
 
@@ -403,7 +403,7 @@ def _entry(token: str, logprob: float, top: list[tuple[str, float]]) -> dict:
 def test_logprobs_take_each_endpoints_openai_shape():
     entries = [_entry("He", -0.1, [("He", -0.1), ("A", -2.0)]), _entry("llo", -0.5, [("y", -0.3), ("A", -1.0)])]
     comp = protocol.parse_completion({"prompt": "x", "logprobs": 2})
-    out = protocol.logprobs_of(comp, entries, offset=3)
+    out = responses.logprobs_of(comp, entries, offset=3)
     assert out == {
         "tokens": ["He", "llo"],
         "token_logprobs": [-0.1, -0.5],
@@ -412,7 +412,7 @@ def test_logprobs_take_each_endpoints_openai_shape():
     }
     chat = protocol.parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2})
     assert chat.job["logprobs"] == 2
-    content = protocol.logprobs_of(chat, entries)["content"]
+    content = responses.logprobs_of(chat, entries)["content"]
     assert content[1] == {
         "token": "llo",
         "logprob": -0.5,
@@ -423,7 +423,7 @@ def test_logprobs_take_each_endpoints_openai_shape():
         ],
     }
     assert protocol.parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}).job["logprobs"] == 0
-    assert protocol.logprobs_of(protocol.parse_completion({"prompt": "x"}), entries) is None
+    assert responses.logprobs_of(protocol.parse_completion({"prompt": "x"}), entries) is None
 
 
 def test_structured_output_fields_map_to_one_job_field_and_are_refused_in_the_requests_terms():

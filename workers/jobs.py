@@ -19,9 +19,12 @@ from concurrent.futures import CancelledError
 from runtime.errors import FieldError
 from runtime.handles import DeadlineExceededError, error_for
 from runtime.vision.records import detection_record
+from workers.events import JobEvent
 from workers.host import ActiveJob, Cancelled, Fenced, WorkerHost
 from workers.jobspec import allowed_path, allowed_url, decode_image_b64, parse_detect, parse_generate
 from workers.settings import MODEL_QUEUE_PREFIX, model_queue
+from workers.store import prefix_of
+from workers.tool_stream import ToolStream, tool_result
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -146,25 +149,79 @@ def _check_model(host: WorkerHost, job: ActiveJob) -> None:
         raise RuntimeError(f"model {asked!r} is not served by this worker (it serves {host.model_name!r})")
 
 
+class _JobTools:
+    """A tool job's ToolStream and what it writes: content rides the job's next token event (or
+    its end), tool events are appended after it, each with the next seq (lua_events.APPEND)."""
+
+    def __init__(self, host: WorkerHost, job: ActiveJob, stream: ToolStream) -> None:
+        self.host, self.job, self.stream = host, job, stream
+        self.pending = ""  # content read from text whose tokens went out already (a resume)
+
+    def replay(self, raw: str) -> None:
+        """Text whose tokens an earlier attempt streamed: what it did not send goes out now."""
+        content, events = self.stream.feed(raw)
+        self.pending += content
+        self._append(events)
+
+    def emit(self, start: int, new: list[int], delta_text: str, prompt_ids, lp) -> None:
+        content, events = self.stream.feed(delta_text)
+        self.host.writer.emit(self.job, start, new, self.pending + content, prompt_ids, lp)
+        self.pending = ""
+        self._append(events)
+
+    def finish(self, trailing: str, reason: str | None):
+        """(the content still to send, as the end's text; the message; OpenAI's finish_reason)."""
+        self.replay(trailing)
+        content, events, message, reason = self.stream.finish(reason)
+        self._append(events)
+        text, self.pending = self.pending + content, ""
+        return text, message, reason
+
+    def _append(self, events: list[JobEvent]) -> None:
+        first = self.stream.num_events - len(events)
+        for k, event in enumerate(events):
+            event.attempt = self.job.attempt
+            self.host.writer.append(self.job, first + k, event)
+
+
+def _tool_result(result: dict, message, reason: str | None) -> dict:
+    """A tool job's result: content as `text` ("" for none), its calls, OpenAI's finish_reason."""
+    return {**result, "text": message.content or "", **tool_result(message), "finish_reason": reason}
+
+
 def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict, str]:
     spec = parse_generate(kwargs)
     rt = _runtime_serving(host, "llm", "an LLM (start it with the llm queue)")
     _check_model(host, job)
     remaining = _time_left(job, spec.deadline_s)
     prompt, params = spec.prompt, spec.params
+    tools = None
+    if spec.tools is not None:  # the tool format's prompt and grammar; its parser over the text
+        prompt, params, fmt = spec.tools.prepare(rt.tokenizer, spec.prompt, params)
+        tools = (fmt, spec.tools.request)
     prefix_ids: list[int] = []
     prefix_text = ""
     prefix_logprobs: list[dict] | None = None
     rec = None
+    written: list[JobEvent] = []
     if job.resumed_from:
         rec = host.store.record(job.job_id)  # the first attempt's timings
-        prefix_ids, prefix_text, prefix_logprobs = host.store.prefix(job.job_id)
+        written = host.store.events(job.job_id)
+        prefix_ids, prefix_text, prefix_logprobs = prefix_of(written)
+    calls = _JobTools(host, job, ToolStream(*tools, written)) if tools else None
+    if calls is not None and prefix_ids:  # a tool job's token events hold content, not the text
+        prefix_text = rt.tokenizer.decode(prefix_ids, skip_special_tokens=params.skip_special_tokens)
+        calls.replay(prefix_text)
+    if job.resumed_from:
         reason = _finished_already(rt, params, job.prompt_token_ids, prefix_ids)
         if reason is not None:
             result = _result(host.worker_id, job, rec, job.prompt_token_ids, prefix_ids, prefix_text, reason, None)
             result["logprobs"] = prefix_logprobs if getattr(params, "logprobs", None) is not None else None
             result["stop_reason"] = _stop_reason_of(params, prefix_ids, prefix_text) if reason == "stop" else None
-            return result, ""
+            if calls is None:
+                return result, ""
+            trailing, message, reason = calls.finish("", reason)
+            return _tool_result(result, message, reason), trailing
         # The engine counts the earlier outputs itself (max_tokens and min_tokens, penalties, the
         # seeded stream, the grammar, stop strings across the resume point): the job's own params
         # go unchanged, and its k-th new token is what the uninterrupted job's (n + k)-th would be.
@@ -190,7 +247,10 @@ def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict,
                 start = len(prefix_ids) + sent
                 lp = _new_logprobs(out, sent, len(new))
                 prompt_ids = out.prompt_token_ids if start == 0 else None
-                host.writer.emit(job, start, new, out.delta_text, prompt_ids, lp)
+                if calls is not None:
+                    calls.emit(start, new, out.delta_text, prompt_ids, lp)
+                else:
+                    host.writer.emit(job, start, new, out.delta_text, prompt_ids, lp)
                 if first_token_at is None:
                     first_token_at = time.time()
                 sent += len(new)
@@ -213,7 +273,10 @@ def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict,
     logprobs = getattr(out, "logprobs", None)
     result["logprobs"] = None if logprobs is None else (prefix_logprobs or []) + list(logprobs)
     result["stop_reason"] = getattr(out, "stop_reason", None)
-    return result, trailing
+    if calls is None:
+        return result, trailing
+    trailing, message, reason = calls.finish(trailing, out.finish_reason)
+    return _tool_result(result, message, reason), trailing
 
 
 def _new_logprobs(out, sent: int, count: int) -> list[dict] | None:

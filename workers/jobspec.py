@@ -8,16 +8,18 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 
 from runtime import errors
 from runtime.errors import FieldError
 from runtime.llm.sampling_params import SamplingParams
+from workers.tool_stream import TOOL_FIELDS, ToolJob
 from workers.urlguard import UrlPolicy, parse_url
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-GENERATE_FIELDS = ("prompt", "messages", "priority", "deadline_s", *SAMPLING_FIELDS)
+GENERATE_FIELDS = ("prompt", "messages", "priority", "deadline_s", *TOOL_FIELDS, *SAMPLING_FIELDS)
 DETECT_FIELDS = ("image", "url", "path", "priority", "deadline_s")
 MAX_IMAGE_BYTES = 32 << 20
 
@@ -28,6 +30,7 @@ class GenerateSpec:
     params: SamplingParams
     priority: int = 0
     deadline_s: float | None = None  # from submission
+    tools: ToolJob | None = None  # tools offered, or tool turns in the messages (tool_stream.py)
 
 
 @dataclass(slots=True)
@@ -61,17 +64,81 @@ def _common(kwargs: dict) -> tuple[int, float | None]:
     return priority, deadline
 
 
-def _messages(messages: object) -> list[dict]:
+def check_chat_messages(messages: object) -> list[dict]:
+    """Chat messages as jobs carry them: {"role", "content": str}, and the tool turns: an
+    assistant's {"content": str | None, "tool_calls": [...]} (check_tool_calls) and a tool's
+    result {"content": str, "tool_call_id": <an earlier call's id>}."""
     if not isinstance(messages, list) or not messages:
         raise FieldError(
             "messages", f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}"
         )
+    call_ids: set[str] = set()
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise FieldError(
-                f"messages[{i}]", f"messages[{i}] must be a dict with string 'role' and 'content', got {m!r}"
-            )
+        at = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise FieldError(at, f"{at} must be a dict with string 'role' and 'content', got {m!r}")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if m["role"] != "assistant":
+                raise FieldError(f"{at}.tool_calls", f"{at}.tool_calls: only assistant messages carry tool calls")
+            call_ids.update(c["id"] for c in check_tool_calls(f"{at}.tool_calls", calls))
+        content = m.get("content")
+        if not isinstance(content, str) and not (content is None and calls):
+            null = " (or null, with tool_calls)" if m["role"] == "assistant" else ""
+            raise FieldError(f"{at}.content", f"{at}.content must be a string{null}, got {content!r}")
+        check_tool_call_id(at, m, call_ids)
     return messages
+
+
+def check_tool_calls(at: str, calls: object) -> list[dict]:
+    """An assistant message's tool_calls, as OpenAI sends them back: a non-empty list of
+    {"id", "type": "function", "function": {"name", "arguments": <JSON text of an object>}}."""
+    if not isinstance(calls, list) or not calls:
+        raise FieldError(at, f"{at} must be a non-empty list of calls, got {calls!r}")
+    for j, call in enumerate(calls):
+        cat = f"{at}[{j}]"
+        if not isinstance(call, dict):
+            raise FieldError(cat, f"{cat} must be an object {{'id', 'type': 'function', 'function'}}, got {call!r}")
+        extra = sorted(set(call) - {"id", "type", "function"})
+        if extra:
+            raise FieldError(f"{cat}.{extra[0]}", f"{cat}.{extra[0]} is not a field of a tool call", errors.UNKNOWN)
+        if not isinstance(call.get("id"), str) or not call["id"]:
+            raise FieldError(f"{cat}.id", f"{cat}.id must be a non-empty string, got {call.get('id')!r}")
+        if call.get("type", "function") != "function":
+            raise FieldError(f"{cat}.type", f"{cat}.type must be 'function', got {call.get('type')!r}")
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise FieldError(f"{cat}.function", f"{cat}.function must be an object {{'name', 'arguments'}}, got {fn!r}")
+        extra = sorted(set(fn) - {"name", "arguments"})
+        if extra:
+            raise FieldError(f"{cat}.function.{extra[0]}", f"{cat}.function.{extra[0]} is not a field", errors.UNKNOWN)
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise FieldError(f"{cat}.function.name", f"{cat}.function.name must be a non-empty string")
+        args, where = fn.get("arguments"), f"{cat}.function.arguments"
+        if not isinstance(args, str):
+            raise FieldError(where, f"{where} must be the JSON text of an object (a string), got {type(args).__name__}")
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            raise FieldError(where, f"{where} is not valid JSON: {args[:80]!r}") from None
+        if not isinstance(parsed, dict):
+            raise FieldError(where, f"{where} must be the JSON text of an object, got {args[:80]!r}")
+    return calls
+
+
+def check_tool_call_id(at: str, message: dict, call_ids: set[str]) -> None:
+    """A tool message answers a call an earlier assistant message made; no other role names one."""
+    cid = message.get("tool_call_id")
+    if message["role"] != "tool":
+        if cid is not None:
+            raise FieldError(f"{at}.tool_call_id", f"{at}.tool_call_id: only tool messages answer a call")
+        return
+    if not isinstance(cid, str) or not cid:
+        raise FieldError(
+            f"{at}.tool_call_id", f"{at}.tool_call_id must be the id of an earlier tool call", errors.MISSING
+        )
+    if cid not in call_ids:
+        raise FieldError(f"{at}.tool_call_id", f"{at}.tool_call_id {cid[:80]!r} is the id of no earlier tool call")
 
 
 def _token_id(t: object) -> bool:
@@ -88,7 +155,7 @@ def parse_generate(kwargs: dict) -> GenerateSpec:
             errors.CONFLICT if prompt is not None else errors.MISSING,
         )
     if messages is not None:
-        body: str | list = _messages(messages)
+        body: str | list = check_chat_messages(messages)
     elif isinstance(prompt, str) and prompt:
         body = prompt
     elif isinstance(prompt, list) and prompt and all(_token_id(t) for t in prompt):
@@ -99,7 +166,10 @@ def parse_generate(kwargs: dict) -> GenerateSpec:
         )
     params = SamplingParams(**{k: kwargs[k] for k in SAMPLING_FIELDS if k in kwargs})
     priority, deadline = _common(kwargs)
-    return GenerateSpec(body, params, priority, deadline)
+    tools = ToolJob.from_kwargs(kwargs)
+    if tools is not None:
+        tools.check_params(params)
+    return GenerateSpec(body, params, priority, deadline, tools)
 
 
 def parse_detect(kwargs: dict) -> DetectSpec:

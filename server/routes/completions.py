@@ -1,5 +1,8 @@
 """OpenAI's endpoints: /v1/completions and /v1/chat/completions, as JSON or as server-sent
-events. Requests are checked by server/protocol.py; the backend runs them.
+events. Requests are checked by server/protocol.py, answers shaped by server/responses.py; the
+backend runs them. A chat answer's tool calls come as the job's tool_call / tool_args events
+(workers/events.py), parsed where the model ran: message.tool_calls, or delta.tool_calls
+entries as they stream.
 
 n choices are n jobs, each with its own seed (protocol.choice_seed), run at once and merged:
 the answer lists them by index, a stream interleaves their chunks (each names its choice), and
@@ -18,7 +21,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server import openapi, protocol
+from server import openapi, protocol, responses
 from server.common import (
     KEEPALIVE,
     TICK,
@@ -34,7 +37,7 @@ from server.common import (
 )
 from server.protocol import APIError, Generation
 from server.routes.models import resolve_model
-from workers.events import CANCELLED, DONE, FAILED, JobEvent
+from workers.events import CANCELLED, DONE, FAILED, TOOL_KINDS, JobEvent
 
 router = APIRouter()
 
@@ -130,8 +133,8 @@ async def run(gen: Generation, request: Request) -> Response:
     except BaseException:
         cancel(ctx, choices)
         raise
-    use = protocol.merged_usage([await x.stream.usage() for x in choices])
-    return JSONResponse(protocol.response(gen, model, answers, use))
+    use = responses.merged_usage([await x.stream.usage() for x in choices])
+    return JSONResponse(responses.response(gen, model, answers, use))
 
 
 def cancel(ctx: ServerContext, choices: list[Choice]) -> None:
@@ -153,14 +156,17 @@ async def _next(c: Choice) -> JobEvent:
 
 
 async def _collect(gen: Generation, c: Choice, first: JobEvent) -> dict:
-    parts, entries, event = [], [], first
+    parts, entries, calls, event = [], [], responses.ToolCalls(), first
     while True:
+        if event.type in TOOL_KINDS:
+            calls.add(event)
         parts.append(event.text)
         entries.extend(event.logprobs or ())
         if event.type == DONE:
             text = (gen.job["prompt"] if gen.echo else "") + "".join(parts)
-            lp = protocol.logprobs_of(gen, entries)
-            return protocol.choice(gen, c.index, text, event.finish_reason, event.stop_reason, lp)
+            lp = responses.logprobs_of(gen, entries)
+            reason, stop, tool_calls = event.finish_reason, event.stop_reason, calls.to_openai()
+            return responses.choice(gen, c.index, text, reason, stop, lp, tool_calls)
         if event.type in (FAILED, CANCELLED):
             raise failure(event)
         event = await _next(c)
@@ -217,9 +223,9 @@ async def sse(
     try:
         for c in choices:
             if gen.kind == "chat":
-                yield sse_data(protocol.chunk(gen, model, "", index=c.index, role=True))
+                yield sse_data(responses.chunk(gen, model, "", index=c.index, role=True))
             elif gen.echo:
-                yield sse_data(protocol.chunk(gen, model, gen.job["prompt"], index=c.index))
+                yield sse_data(responses.chunk(gen, model, gen.job["prompt"], index=c.index))
         left = len(choices)
         try:
             ticks = contextlib.aclosing(ticking(_drain(queue), ctx.config.keepalive_s, deadline))
@@ -234,24 +240,28 @@ async def sse(
                         ended = True
                         yield sse_data(failure(event).body())
                         break
+                    if kind in TOOL_KINDS:
+                        delta = [responses.tool_call_delta(event)]
+                        yield sse_data(responses.chunk(gen, model, None, index=c.index, tool_calls=delta))
+                        continue
                     text = event.text
-                    lp = protocol.logprobs_of(gen, event.logprobs, c.text_offset)
+                    lp = responses.logprobs_of(gen, event.logprobs, c.text_offset)
                     c.text_offset += sum(len(e["token"]) for e in event.logprobs or ())
                     if kind == DONE:
                         c.done = True
                         left -= 1
                         reason, stop = event.finish_reason, event.stop_reason
                         yield sse_data(
-                            protocol.chunk(gen, model, text, reason, index=c.index, logprobs=lp, stop_reason=stop)
+                            responses.chunk(gen, model, text, reason, index=c.index, logprobs=lp, stop_reason=stop)
                         )
                         if not left:
                             ended = True
                             if gen.include_usage:
-                                use = protocol.merged_usage([await x.stream.usage() for x in choices])
-                                yield sse_data(protocol.chunk(gen, model, None, use=use, no_choices=True))
+                                use = responses.merged_usage([await x.stream.usage() for x in choices])
+                                yield sse_data(responses.chunk(gen, model, None, use=use, no_choices=True))
                             break
                     elif text or lp:
-                        yield sse_data(protocol.chunk(gen, model, text, index=c.index, logprobs=lp))
+                        yield sse_data(responses.chunk(gen, model, text, index=c.index, logprobs=lp))
         except TimeoutError:
             ended = True
             yield sse_data(APIError(504, f"the request took longer than its {ctx.timeout_of(gen):g} s").body())
