@@ -5,6 +5,7 @@ rewritten by the engine (one instance may serve many requests): what depends on 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 # structured.py imports neither torch nor llguidance at module level: workers/jobspec.py, which
@@ -21,6 +22,18 @@ MAX_STOP_LEN = 512  # characters per stop string: the detokenizer rescans this m
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed` (n > 1, best_of): choice 0 keeps
+    it (n=1 and n=2 agree on their first choice); the others take 63 bits of
+    sha256("seed:index"). A hash, not seed + index: the sampler's row_seed is affine in the seed,
+    so nearby seeds would give choices whose random streams are shifted copies of each other.
+    The server's choices (one job each) and the engine's forked ones derive it alike, so a
+    choice's tokens do not depend on which of them made it."""
+    if index == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
 @dataclass(slots=True)
@@ -50,11 +63,38 @@ class SamplingParams:
     # of strings), grammar (Lark / GBNF): the output is held to it (runtime/llm/structured.py).
     # Its shape is checked here; whether the grammar engine compiles it, at the engine's prepare.
     structured_outputs: dict | None = None
+    # None: none; k in [0, 20]: for each prompt token after the first, its logprob given the
+    # tokens before it (log_softmax of the raw logits) and the k most likely alternatives, as
+    # vLLM's. With max_tokens=0 the prompt is scored and nothing is generated.
+    prompt_logprobs: int | None = None
+    # As vLLM's: n completions of one prompt, forked from one prefill (the choices share the
+    # prompt's KV blocks). best_of >= n completions are made and the n with the highest
+    # cumulative logprob returned; None = n. Choice k samples with choice_seed(seed, k).
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
             raise ValueError(
-                f"max_tokens must be an integer >= 1 or None (the rest of the context), got {self.max_tokens!r}"
+                f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
+            )
+        if self.max_tokens is not None and (
+            not _is_int(self.max_tokens) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1)
+        ):
+            raise ValueError(
+                f"max_tokens must be an integer >= 1 or None (the rest of the context), or 0 with prompt_logprobs "
+                f"set (score the prompt, generate nothing), got {self.max_tokens!r}"
+            )
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be None or an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.max_tokens == 0 and self.num_choices > 1:
+            raise ValueError(
+                f"n must be 1 when max_tokens is 0 (scoring a prompt makes no choices), got n={self.n}, "
+                f"best_of={self.best_of}"
             )
         if (
             isinstance(self.temperature, bool)
@@ -116,6 +156,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def num_choices(self) -> int:
+        """Completions made: best_of, else n."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def greedy(self) -> bool:
