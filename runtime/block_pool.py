@@ -106,6 +106,16 @@ class BlockPool:
                 else:
                     self.free_cached[b] = None
 
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on blocks already in use: a forked choice shares its
+        parent's prompt blocks (copy on write is the scheduler's: a block still being written
+        is never shared, it is copied)."""
+        ref = self.ref_cnt
+        for b in block_ids:
+            if ref[b] <= 0:
+                raise RuntimeError(f"block {b} is shared but nobody holds it")
+            ref[b] += 1
+
     def hash_block(self, parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
         """The chained hash of one full block; the first block's parent is b"". The only
         hash in the pool, so tests can replace it to force collisions."""

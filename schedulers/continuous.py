@@ -7,6 +7,12 @@ Every step is planned afresh under one token budget:
 A request that finishes leaves in the step it finishes and its blocks return at once. When the
 pool runs dry, a running request is preempted by recompute (lowest priority, then latest
 arrival) and re-queued ahead of new arrivals.
+
+Parallel sampling (a request with `followers`, one per further choice): the leader is admitted
+only when running requests leave room for all its choices (max_num_seqs), with the blocks its
+followers will need to copy its prompt's partial last block; in the step that computes the
+last of its prompt, the followers fork from it (`_fork`) and sample from its logits. So the
+prompt is computed once, whatever n is.
 """
 
 from __future__ import annotations
@@ -88,14 +94,25 @@ class ContinuousBatchScheduler:
         self.num_steps = 0
         self._planned: dict[int, list[Request]] = {}  # the last plan's requests, in plan order
         self._step_preemptions = 0
+        self._leaders: list[Request] = []  # running requests whose followers have not forked yet
 
     # ---- the Scheduler protocol --------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        self.table.validate(request)
+        """Queue a request (with its followers, for n > 1: they are not queued themselves)."""
+        self.validate(request)
         request.status = RequestStatus.WAITING
-        self.table.requests[request.request_id] = request
+        self.table.register(request)
         self.waiting.push(request)
+
+    def validate(self, request: Request) -> None:
+        """Raise ValueError if `request` (with its followers) can never run."""
+        self.table.validate(request)
+        if len(request.followers) >= self.config.max_num_seqs:
+            raise ValueError(
+                f"a request of {len(request.followers) + 1} choices needs that many of max_num_seqs "
+                f"({self.config.max_num_seqs}) at once"
+            )
 
     def abort(self, request_id: str) -> bool:
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
@@ -105,11 +122,22 @@ class ContinuousBatchScheduler:
         req = self.table.requests.get(request_id)
         if req is None:
             return False
+        if req.leader is not None:  # a follower not forked yet: it never ran
+            leader = self.table.detach_follower(req)
+            if not leader.followers and leader in self._leaders:
+                self._leaders.remove(leader)
+            self.table.finish(req, status)
+            return True
+        if req in self._leaders:
+            self._leaders.remove(req)
+        heir = self.table.hand_over(req)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
         self.table.finish(req, status)
+        if heir is not None:  # its followers go on without it: the first leads, from scratch
+            self.waiting.push_front(heir)
         return True
 
     def has_unfinished(self) -> bool:
@@ -129,6 +157,7 @@ class ContinuousBatchScheduler:
             self.table.num_preemptions,
             pool.num_blocks - pool.num_free_blocks,
             pool.num_blocks,
+            self.table.num_computed_prompt_tokens,
         )
 
     def schedule(self, now: float = 0.0) -> StepPlan:
@@ -137,6 +166,8 @@ class ContinuousBatchScheduler:
         self._schedule_running(step)
         if not step.preempted:  # admitting now would only feed the next preemption
             self._admit_waiting(step)
+        if self._leaders:
+            self._fork(step)
         self.num_steps += 1
         self._planned = {id(step.plan): step.scheduled}
         self._step_preemptions = self.table.num_preemptions - preemptions_before
@@ -259,6 +290,8 @@ class ContinuousBatchScheduler:
                 del column[i]
             plan.new_block_ids.pop(rid, None)
             plan.new_requests = [r for r in plan.new_requests if r.request_id != rid]
+        if victim in self._leaders:
+            self._leaders.remove(victim)
         self.table.preempt(victim)
         self.waiting.push_front(victim)
         step.preempted = True
@@ -268,8 +301,12 @@ class ContinuousBatchScheduler:
         plan, scheduled = step.plan, step.scheduled
         max_seqs = self.config.max_num_seqs
         threshold = self.config.long_prefill_token_threshold
-        while len(waiting) and len(running) < max_seqs and step.budget > 0:
+        # Slots held for the followers of leaders still prefilling: they join at their fork.
+        held = sum(len(r.followers) for r in self._leaders) if self._leaders else 0
+        while len(waiting) and len(running) + held < max_seqs and step.budget > 0:
             req = waiting.peek()
+            if len(running) + held + 1 + len(req.followers) > max_seqs:
+                break  # not room for all its choices yet
             n = table.admit(req, min(step.budget, threshold) if threshold else step.budget)
             if n == 0:
                 break  # not enough free blocks: wait for running requests to finish
@@ -278,3 +315,26 @@ class ContinuousBatchScheduler:
             table.add_to_plan(plan, req, n)
             scheduled.append(req)
             step.budget -= n
+            if req.followers:
+                self._leaders.append(req)
+                held += len(req.followers)
+
+    def _fork(self, step: _Step) -> None:
+        """Fork the followers of every leader whose prompt this step completes: they run from
+        now on, sampling this step from the leader's last logits (plan.forks), with its prompt
+        blocks shared and their copies of its partial last block (plan.copy_blocks) made after
+        the forward. Nothing is allocated here: the leader took the blocks at admission."""
+        plan = step.plan
+        where = {rid: i for i, rid in enumerate(plan.req_ids)}
+        for leader in list(self._leaders):
+            i = where.get(leader.request_id)
+            if i is None or not plan.sample[i]:
+                continue  # still prefilling (or not scheduled this step)
+            self._leaders.remove(leader)
+            for f, source in self.table.fork(leader):
+                self.running.append(f)
+                self.table.add_to_plan(plan, f, 0)
+                step.scheduled.append(f)
+                plan.forks[f.request_id] = leader.request_id
+                if source is not None:
+                    plan.copy_blocks.append((source, f.block_ids[-1]))

@@ -30,6 +30,9 @@ class BlockAllocator(Protocol):
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block; unreferenced blocks return to the free list."""
 
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on each of these blocks, all in use (a fork shares them)."""
+
     def extend_block_hashes(self, token_ids: Sequence[int], hashes: list[bytes]) -> None:
         """Append one chained hash per further full block of `token_ids` to `hashes`. The
         hashes are opaque digests, keyed per pool: only the pool that made them can use them."""
@@ -61,6 +64,9 @@ class SchedulerStats:
     num_preemptions: int = 0  # since start
     kv_blocks_used: int | None = None  # None: this scheduler holds no KV blocks (vision)
     kv_blocks_total: int | None = None
+    # LLM: prompt tokens whose KV was computed, since start (prefix-cache hits and the prompt
+    # that n > 1 choices share are not counted again; recomputes after preemption are).
+    num_computed_prompt_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float | None:

@@ -44,6 +44,14 @@ class StepPlan:
     freed_req_ids: list[str] = field(default_factory=list)
     # Requests refused while queued (e.g. a queue timeout), request id -> error message.
     rejected: dict[str, str] = field(default_factory=dict)
+    # Parallel sampling: choices forked this step, child id -> parent id. A child computes no
+    # token (0 scheduled, its prompt's KV is its parent's); it samples from the logits of its
+    # parent's last token of this step.
+    forks: dict[str, str] = field(default_factory=dict)
+    # (source, destination) KV blocks to copy after this step's forward: a forked child's own
+    # copy of the partial block its parent's prompt ends in (copy on write: each child writes
+    # its first tokens there; the full prompt blocks before it are shared, never written).
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

@@ -43,8 +43,9 @@ class StopCriteria:
     stop_token_ids: frozenset[int] = frozenset()  # the engine adds eos ids here unless ignore_eos
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        # 0: prefill the prompt and sample nothing (scoring a prompt: its logprobs).
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
@@ -57,6 +58,12 @@ class Request:
 
     `token_ids` holds the prompt followed by every token generated so far, so that a request
     preempted by recompute can be prefilled again from it.
+
+    Parallel sampling (n > 1): the engine hands in one request per choice, the first with the
+    others in `followers`. Only that leader is queued and prefilled; in the step that computes
+    the last of its prompt, the followers fork from it (they share its prompt's KV blocks) and
+    each samples its first token from the same logits. From then on each is a request of its
+    own, decoded, preempted and finished like any other.
     """
 
     request_id: str
@@ -65,6 +72,17 @@ class Request:
     priority: int = 0  # lower value is served first, as in vLLM
     arrival_time: float = 0.0
     sampling: object = None  # opaque to the scheduler; handed to the runner in the plan
+    # Its prompt's KV must be computed, not read from the prefix cache (prompt logprobs need
+    # the logits of every prompt position). Its blocks are still published for others.
+    skip_prefix_cache: bool = False
+    # Choices that fork from this request once its prompt is computed (see the docstring);
+    # each follower's `leader` is this request until then.
+    followers: list[Request] = field(default_factory=list)
+    leader: Request | None = None
+    # A leader's blocks for its followers' copies of its prompt's last, partial block, taken at
+    # admission with its own (so that the fork never waits for blocks); [] when the prompt
+    # fills whole blocks.
+    fork_tails: list[int] = field(default_factory=list)
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)

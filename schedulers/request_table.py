@@ -21,24 +21,35 @@ class RequestTable:
         self.requests: dict[str, Request] = {}  # every request not yet finished
         self._freed: list[str] = []  # runner state to drop, sent with the next plan
         self.num_preemptions = 0
+        # Prompt tokens whose KV a step computed: prefix-cache hits and forked choices' shared
+        # prompts are not counted; a recompute after preemption is.
+        self.num_computed_prompt_tokens = 0
 
     # ---- admission -------------------------------------------------------------------------
 
     def validate(self, req: Request) -> None:
-        """Raise ValueError if `req` can never run; called before it is queued."""
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        """Raise ValueError if `req` (with its followers) can never run; called before it is queued."""
+        group = [req, *req.followers]
+        ids = [r.request_id for r in group]
+        for rid in ids:
+            if rid in self.requests or ids.count(rid) > 1:
+                raise ValueError(f"request_id {rid!r} is already in use")
         n = req.num_prompt_tokens
         if n >= self.max_model_len:
             raise ValueError(
                 f"prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
                 f"the prompt must be shorter than max_model_len to generate anything"
             )
-        req.max_len = total = min(req.max_len, self.max_model_len)
-        need = -(-total // self.block_size)
+        for r in group:
+            r.max_len = min(r.max_len, self.max_model_len)
+        total = max(r.max_len for r in group)
+        # The choices share the prompt's full blocks; each holds the rest of its tokens alone.
+        shared = n // self.block_size
+        need = shared + len(group) * (-(-total // self.block_size) - shared)
         if need > self.pool.num_blocks:
+            choices = f" for its {len(group)} choices" if len(group) > 1 else ""
             raise ValueError(
-                f"request {req.request_id!r} needs up to {need} KV blocks ({total} tokens of "
+                f"request {req.request_id!r} needs up to {need} KV blocks{choices} ({total} tokens of "
                 f"block_size {self.block_size}), but the whole pool has {self.pool.num_blocks}: "
                 f"lower max_tokens or give the KV cache more memory"
             )
@@ -48,7 +59,7 @@ class RequestTable:
         of tokens it computes this step, or 0 if the pool cannot hold them now."""
         pool, bs = self.pool, self.block_size
         cached: list[int] = []
-        if self.caching:
+        if self.caching and not req.skip_prefix_cache:
             pool.extend_block_hashes(req.token_ids, req.block_hashes)
             # At least one token must be computed, to have logits to sample from.
             usable = (req.num_tokens - 1) // bs
@@ -56,12 +67,14 @@ class RequestTable:
         num_computed = len(cached) * bs
         num_new = min(req.num_tokens - num_computed, budget)
         need = -(-(num_computed + num_new) // bs) - len(cached)
-        if need + pool.num_evictable(cached) > pool.num_free_blocks:
+        tails = len(req.followers) if req.num_tokens % bs else 0
+        if need + tails + pool.num_evictable(cached) > pool.num_free_blocks:
             return 0
         pool.touch(cached)
-        new = pool.allocate(need)
+        new = pool.allocate(need + tails)
         assert new is not None  # checked just above
-        req.block_ids = cached + new
+        req.block_ids = cached + new[:need]
+        req.fork_tails = new[need:]
         req.num_computed_tokens = num_computed
         req.num_cached_tokens = num_computed
         req.num_published_blocks = len(cached)
@@ -80,12 +93,66 @@ class RequestTable:
             req.block_ids.extend(new)
         return new
 
+    def fork(self, leader: Request) -> list[tuple[Request, int | None]]:
+        """Start the leader's followers from its prompt, as computed by the end of this step:
+        each takes a reference on the prompt's full blocks and, when the prompt ends inside a
+        block, one of the leader's `fork_tails`, which the runner fills with a copy of the
+        leader's last block (copy on write: every choice writes its first tokens there).
+        Returns each follower, running now with nothing left to compute before it samples,
+        with the block its tail copies (None: no tail)."""
+        followers, leader.followers = leader.followers, []
+        tails, leader.fork_tails = leader.fork_tails, []
+        num_full = leader.num_tokens // self.block_size
+        shared = leader.block_ids[:num_full]
+        source = leader.block_ids[num_full] if tails else None
+        for k, f in enumerate(followers):
+            self.pool.share(shared)
+            f.block_ids = shared + tails[k : k + 1]
+            f.num_computed_tokens = leader.num_tokens
+            f.block_hashes = list(leader.block_hashes)
+            f.num_published_blocks = leader.num_published_blocks
+            f.next_publish_at = leader.next_publish_at
+            f.leader = None
+            f.status = RequestStatus.RUNNING
+            f.needs_full_state = True
+        return [(f, source) for f in followers]
+
+    def detach_follower(self, req: Request) -> Request:
+        """A follower leaves before its fork (an abort): its leader forks the others only, and
+        gives back the block it held for this one. Returns the leader."""
+        leader, req.leader = req.leader, None
+        leader.followers.remove(req)
+        if leader.fork_tails:
+            self.pool.free([leader.fork_tails.pop()])
+        return leader
+
+    def hand_over(self, leader: Request) -> Request | None:
+        """A leader leaves before its fork: the first follower takes over the rest, and the
+        prefill, from scratch (None: it had no followers)."""
+        self._free_tails(leader)
+        if not leader.followers:
+            return None
+        heir, *rest = leader.followers
+        leader.followers = []
+        heir.leader = None
+        heir.followers = rest
+        for f in rest:
+            f.leader = heir
+        return heir
+
     # ---- leaving ---------------------------------------------------------------------------
+
+    def register(self, req: Request) -> None:
+        """Know a validated request and its followers by id (they are queued by the caller)."""
+        for r in (req, *req.followers):
+            r.leader = req if r is not req else None
+            self.requests[r.request_id] = r
 
     def preempt(self, req: Request) -> None:
         """Preemption by recompute: drop the KV cache, keep the tokens, start over later."""
         self.pool.free(req.block_ids)
         req.block_ids = []
+        self._free_tails(req)
         req.num_computed_tokens = 0
         req.num_published_blocks = 0
         req.status = RequestStatus.PREEMPTED
@@ -98,10 +165,16 @@ class RequestTable:
         if req.block_ids:
             self.pool.free(req.block_ids)
             req.block_ids = []
+        self._free_tails(req)
         if not req.needs_full_state:  # the runner has state for it
             self._freed.append(req.request_id)
         req.status = status
         self.requests.pop(req.request_id, None)
+
+    def _free_tails(self, req: Request) -> None:
+        if req.fork_tails:
+            self.pool.free(req.fork_tails)
+            req.fork_tails = []
 
     def take_freed(self) -> list[str]:
         freed, self._freed = self._freed, []
@@ -114,7 +187,9 @@ class RequestTable:
         plan.req_ids.append(req.request_id)
         plan.num_scheduled_tokens.append(num_new)
         plan.num_computed_tokens.append(computed)
-        plan.sample.append(computed + num_new >= len(req.token_ids))
+        # A request with max_tokens=0 (scoring its prompt) reaches its max_len with its prompt:
+        # nothing to sample.
+        plan.sample.append(computed + num_new >= len(req.token_ids) and len(req.token_ids) < req.max_len)
         if req.needs_full_state:
             plan.new_requests.append(
                 NewRequestData(
@@ -133,13 +208,22 @@ class RequestTable:
         record finishes in `out`. The hot loop of a step: kept to plain compares and appends."""
         caching = self.caching
         running = RequestStatus.RUNNING
+        prompt_tokens = 0
         for req, num_new, tokens in zip(reqs, plan.num_scheduled_tokens, result.sampled_token_ids):
             if req.status is not running:  # aborted or preempted since the plan was made
                 continue
-            computed = req.num_computed_tokens = req.num_computed_tokens + num_new
+            start = req.num_computed_tokens
+            computed = req.num_computed_tokens = start + num_new
+            if start < req.num_prompt_tokens:  # [start, computed) holds prompt tokens
+                prompt_tokens += min(computed, req.num_prompt_tokens) - start
             if caching and computed >= req.next_publish_at:
                 self._publish(req)
             if not tokens:
+                # Past max_len only with nothing to sample: a request with max_tokens=0 whose
+                # prompt is computed (a running one always holds fewer tokens than max_len).
+                if computed >= req.max_len:
+                    self.finish(req, RequestStatus.FINISHED_LENGTH)
+                    out.finished[req.request_id] = "length"
                 continue
             token_ids = req.token_ids
             token_ids.extend(tokens)
@@ -150,6 +234,7 @@ class RequestTable:
             elif tokens[-1] in req.stop_token_ids and n >= req.min_len:
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
                 out.finished[req.request_id] = "stop"
+        self.num_computed_prompt_tokens += prompt_tokens
 
     def _publish(self, req: Request) -> None:
         """Enter the request's newly computed full blocks in the prefix cache."""

@@ -32,18 +32,22 @@ class StaticBatchScheduler(ContinuousBatchScheduler):
         self.group_sizes: list[int] = []
 
     def add_request(self, request: Request, timeout_ms: float | None = None) -> None:
-        self.table.validate(request)
+        self.validate(request)
         if not 0 <= request.priority < self.batching.priority_levels:
             raise ValueError(
                 f"priority must be an integer in [0, {self.batching.priority_levels - 1}], got {request.priority!r}"
             )
         self.queue.put(request.request_id, request, request.arrival_time, request.priority, timeout_ms)
         request.status = RequestStatus.WAITING
-        self.table.requests[request.request_id] = request
+        self.table.register(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> bool:
         if self.queue.remove(request_id) is not None:
-            self.table.finish(self.table.requests[request_id], status)
+            req = self.table.requests[request_id]
+            heir = self.table.hand_over(req)
+            self.table.finish(req, status)
+            if heir is not None:  # its followers go on without it: the first leads, queued in its place
+                self.queue.put(heir.request_id, heir, heir.arrival_time, heir.priority, None)
             return True
         return super().finish_request(request_id, status)
 

@@ -259,7 +259,7 @@ def test_admission_errors_name_the_limit():
     with pytest.raises(ValueError, match="empty"):
         Request("empty", [], StopCriteria())
     with pytest.raises(ValueError, match="max_tokens"):
-        StopCriteria(max_tokens=0)
+        StopCriteria(max_tokens=-1)
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="policy"):
