@@ -29,6 +29,8 @@ class CachedRequestState:
     min_p: float = 0.0
     num_logprobs: int | None = None  # None: no logprobs
     grammar: GrammarMatcher | None = None  # structured outputs: the request's matcher (the engine's)
+    # Prompt logprobs still to give (k alternatives); None once its prompt is computed, or never asked.
+    num_prompt_logprobs: int | None = None
 
 
 def sampling_batch(states: list[CachedRequestState], request_ids: list[str]) -> SamplingBatch:

@@ -26,8 +26,14 @@ serve them all with one batched call; prefill chunks follow, one attention call 
 With enforce_eager=False, decode-only steps (every row one token) run a captured graph of the
 model instead: on CPU one torch.compile graph (runtime/llm/compiled.py), compiled on a
 background thread while steps run eagerly, used once it is ready; on CUDA one CUDA graph per
-batch bucket (runtime/llm/cuda_graphs.py), captured at start. Steps with a prefill chunk stay
-eager.
+batch bucket (runtime/llm/cuda_graphs.py), captured at start (runtime/llm/captured_decode.py).
+Steps with a prefill chunk, a fork or prompt logprobs stay eager.
+
+Prompt logprobs (runtime/llm/prompt_logprobs.py): the rows of the prompt positions of the
+requests that ask follow the sampled rows into the lm_head, and their logprobs come back in the
+same host sync. Parallel sampling (plan.forks): a choice forked this step samples from its
+parent's last row, and after the forward each gets its copy of the parent's partial last
+prompt block (plan.copy_blocks), before anyone writes it.
 
 The runner takes the weights out of `loaded.state_dict` (it empties it unless
 release_state_dict=False): the model keeps fused, pre-packed copies, and holding both would
@@ -58,10 +64,12 @@ import torch
 from kernels.paged_attention import decode_mask
 from runtime.block_pool import BlockPool
 from runtime.llm.cached_request import CachedRequestState, sampling_batch
+from runtime.llm.captured_decode import CapturedDecode
 from runtime.llm.input_batch import InputBatch
 from runtime.llm.loader import DTYPES, LoadedModel
 from runtime.llm.model import AttentionMetadata, LlamaModel, ModelSpec, PrefillChunk
-from runtime.llm.sampler import Sampler, compute_logprobs, to_host
+from runtime.llm.prompt_logprobs import PromptRows, prompt_rows, split
+from runtime.llm.sampler import Sampler, compute_logprobs, compute_prompt_logprobs, to_host
 from runtime.llm.sampling_params import GREEDY_EPS
 from runtime.llm.structured import GrammarCompiler, GrammarMatcher
 from runtime.memory import DeviceMemoryManager
@@ -83,12 +91,15 @@ def _default_backend(device: torch.device) -> str:
 @dataclass(slots=True)
 class RunnerResult(StepResult):
     """StepResult plus what only the engine reads: for each request that asked for logprobs
-    and sampled this step, (token ids, logprobs) of the sampled token then its top k."""
+    and sampled this step, (token ids, logprobs) of the sampled token then its top k; for each
+    that asked for prompt logprobs and computed some of its prompt, (position of the first
+    prompt token they score, one [token id, top ids...] row per token, the rows' logprobs)."""
 
     logprobs: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[list[int]], list[list[float]]]] = field(default_factory=dict)
 
 
-class ModelRunner:
+class ModelRunner(CapturedDecode):
     def __init__(
         self,
         loaded: LoadedModel,
@@ -178,6 +189,9 @@ class ModelRunner:
         # How many of a resumed request's prompt tokens are earlier outputs, which min_tokens,
         # the seeds' output index and the penalties count.
         self.num_resumed_outputs: dict[str, int] = {}
+        # Requests whose prompt logprobs are not all given yet (empty in the common case: the
+        # step then spends nothing on them).
+        self.prompt_logprob_ids: set[str] = set()
         self._grammar_mask = None  # host int32 [max_num_seqs, words], made on first use
         self.last_logits: torch.Tensor | None = None  # the last step's logits, for tests and debugging
         self.num_graph_steps = 0  # steps run by the captured graph
@@ -232,33 +246,6 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(s.num_layers)]
 
-    def _capture_cuda_graphs(self) -> None:
-        """CUDA: capture one decode graph per batch bucket, now, over the KV cache just made. A
-        capture that fails leaves the runner eager, not down."""
-        from runtime.llm.cuda_graphs import CudaGraphDecode
-
-        self.cuda_graphs = CudaGraphDecode(
-            self.model,
-            self.kv_cache,
-            max_num_seqs=self._max_num_seqs,
-            max_blocks=-(-self.max_model_len // self.block_size),
-            pad_block=self.pad_block,
-        )
-        try:
-            self.cuda_graphs.capture()
-        except Exception as exc:  # noqa: BLE001 - a failed capture leaves the engine eager, not down
-            log.warning("capturing CUDA graphs failed, staying eager: %s: %s", type(exc).__name__, exc)
-            self.cuda_graphs = None
-            torch.cuda.synchronize(self.device)
-
-    def _start_compiled_decode(self, cache_dir: str | None, in_background: bool) -> None:
-        """CPU: start compiling the decode step with torch.compile (on a background thread
-        unless told otherwise); steps stay eager until it is ready."""
-        from runtime.llm.compiled import CompiledDecode
-
-        self.graph = CompiledDecode(self.model, block_size=self.block_size, cache_dir=cache_dir)
-        self.graph.start(background=in_background)
-
     # ---- per-request data the engine hands over --------------------------------------------
 
     def keep_request_data(
@@ -310,6 +297,7 @@ class ModelRunner:
             requests.pop(rid, None)
             self.batch.remove(rid)
             self.sampler.penalties.remove(rid)
+            self.prompt_logprob_ids.discard(rid)
 
     def _activation_bytes(self, max_num_seqs: int, max_tokens: int) -> int:
         """An upper estimate of one step's temporaries, so the KV pool leaves room for them."""
@@ -359,6 +347,11 @@ class ModelRunner:
             num_logprobs=sp.logprobs if sp is not None else None,
             grammar=self.grammars.get(nr.request_id),
         )
+        # Only a first pass over the prompt gives prompt logprobs: a request that holds outputs
+        # already gave them before it was preempted.
+        if sp is not None and sp.prompt_logprobs is not None and len(nr.token_ids) == nr.num_prompt_tokens:
+            self.requests[nr.request_id].num_prompt_logprobs = sp.prompt_logprobs
+            self.prompt_logprob_ids.add(nr.request_id)
         if sp is not None and sp.structured_outputs is not None and self.requests[nr.request_id].grammar is None:
             raise ValueError("structured_outputs: no grammar matcher was registered for this request")
         self.batch.add(nr.request_id, nr.block_ids)
@@ -379,10 +372,8 @@ class ModelRunner:
         if self._memory_released:
             raise RuntimeError("this runner has released its memory (release_memory) and cannot execute")
         requests, batch = self.requests, self.batch
-        for rid in plan.freed_req_ids:
-            requests.pop(rid, None)
-            batch.remove(rid)
-            self.sampler.penalties.remove(rid)
+        if plan.freed_req_ids:
+            self.drop_requests(plan.freed_req_ids)
         fresh: list[int] = []  # blocks handed to a request this step
         failed: dict[str, str] = {}  # newcomers refused at admission: left out of this step
         for nr in plan.new_requests:
@@ -415,7 +406,9 @@ class ModelRunner:
         # The unwritten tail of a request's last block is read (and masked) by batched decode;
         # zeroing each block as it is handed out keeps another request's stale K/V out of it.
         self._zero_blocks(fresh)
-        if decodes and not prefills:
+        # Forks and prompt logprobs need rows the captured graphs do not give: those steps
+        # (rare: one per n > 1 request, the prefill of a scored prompt) run eagerly.
+        if decodes and not prefills and not plan.forks and not self.prompt_logprob_ids:
             if self.cuda_graphs is not None:
                 return self._execute_cuda_graph(plan, states, decodes, failed)
             if self._graph_ready():
@@ -483,22 +476,52 @@ class ModelRunner:
 
         if not ids:  # every planned request had zero tokens scheduled, or was refused
             return RunnerResult(sampled_token_ids=[[] for _ in plan.req_ids], failed=failed)
+        if plan.forks:  # a forked choice samples from its parent's last row
+            where = {rid: i for i, rid in enumerate(plan.req_ids)}
+            for child, parent in plan.forks.items():
+                i, j = where[child], where[parent]
+                if states[i] is not None and j in row_of_last:
+                    row_of_last[i] = row_of_last[j]
         sample_idx = [i for i, s in enumerate(plan.sample) if s and i in row_of_last]
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.from_numpy(np.concatenate(pos_parts) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
         meta.slot_mapping = torch.from_numpy(np.concatenate(slot_parts) if len(slot_parts) > 1 else slot_parts[0]).to(
             dev
         )
-        rows_t = torch.tensor([row_of_last[i] for i in sample_idx], dtype=torch.long).to(dev) if sample_idx else None
+        rows = [row_of_last[i] for i in sample_idx]
+        prompt = prompt_rows(self.prompt_logprob_ids, plan, states, row_of_last) if self.prompt_logprob_ids else None
+        if prompt is not None:  # the prompt positions' rows follow the sampled ones
+            rows += prompt.rows
+        rows_t = torch.tensor(rows, dtype=torch.long).to(dev) if rows else None
         logits = self.model(input_ids, positions, meta, self.kv_caches, rows_t)
+        if plan.copy_blocks:  # after the forward, which wrote the parents' last prompt tokens
+            self._copy_blocks(plan.copy_blocks)
+        prompt_logits = None
+        if prompt is not None:
+            logits, prompt_logits = (logits[: len(sample_idx)] if sample_idx else None), logits[len(sample_idx) :]
         self.last_logits = logits
 
-        return self._sample(plan, states, sample_idx, logits, failed)
+        return self._sample(plan, states, sample_idx, logits, failed, prompt, prompt_logits)
 
-    def _sample(self, plan: StepPlan, states, sample_idx: list[int], logits, failed: dict[str, str]) -> RunnerResult:
+    def _sample(
+        self,
+        plan: StepPlan,
+        states,
+        sample_idx: list[int],
+        logits,
+        failed: dict[str, str],
+        prompt: PromptRows | None = None,
+        prompt_logits=None,
+    ) -> RunnerResult:
         out: list[list[int]] = [[] for _ in plan.req_ids]
+        extra = ()  # prompt logprobs' device tensors, fetched in the step's one sync
+        if prompt is not None:
+            pl = compute_prompt_logprobs(prompt_logits, prompt.targets, prompt.k)
+            extra = (pl.token_ids, pl.logprobs)
         if logits is None:
-            return RunnerResult(sampled_token_ids=out, failed=failed)
+            if not extra:
+                return RunnerResult(sampled_token_ids=out, failed=failed)
+            return RunnerResult(sampled_token_ids=out, failed=failed, prompt_logprobs=split(prompt, *to_host(*extra)))
         sampled = [states[i] for i in sample_idx]
         sbatch = sampling_batch(sampled, [plan.req_ids[i] for i in sample_idx])
         # No constrained request anywhere (the common case): not even a scan of the rows.
@@ -519,15 +542,18 @@ class ModelRunner:
         logprobs: dict[str, tuple[list[int], list[float]]] = {}
         if sbatch.logprobs:
             lp = compute_logprobs(logits, tokens_t, sbatch.logprobs)
-            tokens, lp_ids, lp_vals = to_host(tokens_t, lp.token_ids, lp.logprobs)
+            tokens, lp_ids, lp_vals, *host = to_host(tokens_t, lp.token_ids, lp.logprobs, *extra)
             for (row, k), ids, vals in zip(sbatch.logprobs, lp_ids, lp_vals):
                 logprobs[plan.req_ids[sample_idx[row]]] = (ids[: k + 1], vals[: k + 1])
         else:
-            (tokens,) = to_host(tokens_t)
+            tokens, *host = to_host(tokens_t, *extra)
         for i, tok in zip(sample_idx, tokens):
             states[i].token_ids.append(tok)
             out[i] = [tok]
-        return RunnerResult(sampled_token_ids=out, failed=failed, logprobs=logprobs)
+        result = RunnerResult(sampled_token_ids=out, failed=failed, logprobs=logprobs)
+        if prompt is not None:
+            result.prompt_logprobs = split(prompt, *host)
+        return result
 
     def _grammar_bitmask(self, rows: int):
         mask = self._grammar_mask
@@ -535,79 +561,12 @@ class ModelRunner:
             mask = self._grammar_mask = self.grammar_compiler.allocate_bitmask(max(rows, self._max_num_seqs))
         return mask
 
-    def _graph_ready(self) -> bool:
-        g = self.graph
-        if g is None or not g.done.is_set():
-            return False
-        if g.failed is not None:  # stay eager for good
-            self.graph = None
-            return False
-        return True
-
-    def _execute_graph(self, plan: StepPlan, states, decodes: list[int], failed: dict[str, str]) -> RunnerResult:
-        """A decode-only step through the captured graph; None if the graph raised (it is then
-        dropped for good, and the caller runs the step eagerly: rewriting the same K/V slots is
-        harmless). The graph takes at least two rows and two table columns (sizes 0 and 1 are
-        specialised by torch): a lone sequence gets a padding row, whose K/V write is skipped
-        (slot -1) and which is never sampled."""
-        bs, pad = self.block_size, self.pad_block
-        ids, pos, slots, tables = self._decode_arrays(plan, states, decodes)
-        n = len(decodes)
-        b, m = max(n, 2), max(tables.shape[1], 2)
-        table = np.full((b, m), pad, dtype=np.int32)
-        table[:n, : tables.shape[1]] = tables
-        if b > n:
-            ids.append(0)
-            pos = np.append(pos, 0)
-            slots = np.append(slots, -1)
-        ctx = (pos + 1).astype(np.int32)
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) KV block, every layer's K and V."""
         dev = self.device
-        # Inputs made outside inference mode: the graph writes the cache in place, which
-        # torch refuses to do beside inference tensors ("Cannot set version_counter").
-        with torch.inference_mode(False), torch.no_grad():
-            ctx_t = torch.from_numpy(ctx)
-            try:
-                logits = self._run_graph(
-                    torch.tensor(ids, dtype=torch.long, device=dev),
-                    torch.from_numpy(pos).to(dev),
-                    self.kv_cache,
-                    torch.from_numpy(slots).to(dev),
-                    torch.from_numpy(table).to(dev),
-                    ctx_t.to(dev),
-                    decode_mask(ctx_t, m * bs, self.dtype).to(dev),
-                )
-            except Exception as exc:  # noqa: BLE001 - the graph's failure must not fail the step
-                log.warning("the captured decode step failed, staying eager: %s: %s", type(exc).__name__, exc)
-                self.graph.failed = f"{type(exc).__name__}: {exc}"
-                self.graph = None
-                return None
-        return self._sample_decodes(plan, states, decodes, logits, failed)
-
-    def _run_graph(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.graph(*inputs)
-
-    def _decode_arrays(self, plan: StepPlan, states, decodes: list[int]):
-        """(token ids, positions, slots, block tables) of the decode rows, host-side."""
-        num_computed, batch = plan.num_computed_tokens, self.batch
-        n = len(decodes)
-        pos = np.fromiter((num_computed[i] for i in decodes), dtype=np.int64, count=n)
-        rows = np.fromiter((batch.row_of[plan.req_ids[i]] for i in decodes), dtype=np.int64, count=n)
-        ids = [states[i].token_ids[num_computed[i]] for i in decodes]
-        slots, tables = batch.decode_inputs(rows, pos)
-        return ids, pos, slots, tables
-
-    def _execute_cuda_graph(self, plan: StepPlan, states, decodes: list[int], failed: dict[str, str]) -> RunnerResult:
-        logits = self.cuda_graphs(*self._decode_arrays(plan, states, decodes))
-        return self._sample_decodes(plan, states, decodes, logits, failed)
-
-    def _sample_decodes(self, plan: StepPlan, states, decodes: list[int], logits, failed) -> RunnerResult:
-        """Sample a graph's logits [len(decodes), vocab] for the decode rows that sample."""
-        n = len(decodes)
-        self.num_graph_steps += 1
-        keep = [k for k, i in enumerate(decodes) if plan.sample[i]]
-        logits = logits[:n] if len(keep) == n else logits[keep] if keep else None
-        self.last_logits = logits
-        return self._sample(plan, states, [decodes[k] for k in keep], logits, failed)
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long).to(dev)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long).to(dev)
+        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
         if block_ids:

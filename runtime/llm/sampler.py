@@ -40,7 +40,9 @@ so they add no host sync and no Python loop over tokens.
 Logprobs (`logprobs`), for the rows that ask only, come from the raw logits, before penalties,
 min_tokens masking and temperature (vLLM's default, "raw_logprobs"): one float32 log_softmax
 over those rows, one gather of the sampled tokens and one topk for the largest k asked; the
-small [rows, k + 1] results reach the host in the step's one sync (`to_host`).
+small [rows, k + 1] results reach the host in the step's one sync (`to_host`). Prompt
+logprobs (`compute_prompt_logprobs`) are the same three ops over the rows of the prompt's
+positions (runtime/llm/prompt_logprobs.py), in the same sync.
 
 Constrained decoding (structured outputs, runtime/llm/structured.py): the rows of
 `SamplingBatch.grammar_rows` get their allowed-token bitmask applied to the logits in
@@ -139,6 +141,18 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[tupl
     # topk's order among tied values is unspecified; ties are rare in float32 logits.
     top = lp.topk(k, dim=-1)
     return Logprobs(torch.cat([sampled, top.indices], 1), torch.cat([lp.gather(1, sampled), top.values], 1))
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> Logprobs:
+    """Prompt logprobs: row j of the raw `logits` [rows, vocab] predicts prompt token
+    `targets[j]`; its float32 logprob, then the top k, as compute_logprobs gives a sampled
+    token's. One log_softmax, one gather, one topk over all rows: no host sync."""
+    lp = logits.float().log_softmax(dim=-1)
+    chosen = _to_device(targets, torch.long, logits.device).unsqueeze(1)
+    if k == 0:
+        return Logprobs(chosen, lp.gather(1, chosen))
+    top = lp.topk(k, dim=-1)
+    return Logprobs(torch.cat([chosen, top.indices], 1), torch.cat([lp.gather(1, chosen), top.values], 1))
 
 
 def to_host(*tensors: torch.Tensor) -> list[list]:
