@@ -106,7 +106,10 @@ HISTOGRAMS = {
 # name -> help; plain counters (rendering adds a `_total` suffix).
 COUNTERS = {
     "prompt_tokens": "Prompt tokens of finished requests.",
-    "generation_tokens": "Generated tokens of finished requests.",
+    "generation_tokens": "Generated tokens of finished requests (every choice of an n > 1 request).",
+    # The engine's SchedulerStats.num_computed_prompt_tokens, as num_preemptions is fed.
+    "prompt_tokens_computed": "Prompt tokens whose KV was computed (not served by the prefix cache, "
+    "nor shared by the choices of an n > 1 request).",
     "vision_images": "Images detected.",
     "vision_batches": "Vision forward passes.",
     "num_preemptions": "Requests preempted (KV blocks taken back, recomputed later).",
@@ -158,7 +161,7 @@ class ServingMetrics:
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
             self.counters["prompt_tokens"] += len(out.prompt_token_ids)
-            self.counters["generation_tokens"] += len(out.token_ids)
+            self.counters["generation_tokens"] += sum(len(c.token_ids) for c in out.outputs)
             h = self.histograms
             if m.first_scheduled_time is not None:
                 h["request_queue_time_seconds"].observe(m.first_scheduled_time - m.arrival_time)

@@ -19,6 +19,10 @@ Not thread-safe: one thread drives `step()` (the caller's, or the Runtime's loop
 `prepare()` alone may be called from any thread, so that callers of the Runtime get their
 ValueError at once, on their own thread.
 
+Parallel sampling (SamplingParams.n > 1, best_of): one request per choice, tied by a
+ParentRequest (runtime/llm/parallel_sampling.py); the prompt is computed once and the choices
+fork from it. `abort` takes the request's id (every choice) or a choice's.
+
 Resumed requests (`num_resumed_outputs=n`, the last n prompt token ids being the request's own
 earlier outputs; see runtime/llm/input_processor.py): a request already complete after its n
 tokens (max_tokens reached, the last one a stop token past min_tokens, a stop string in their
@@ -38,6 +42,7 @@ from runtime.llm.failures import Failure, QueueDeadlines
 from runtime.llm.input_processor import InputProcessor, PreparedRequest
 from runtime.llm.output_processor import OutputProcessor, RequestState, Sink
 from runtime.llm.outputs import RequestOutput
+from runtime.llm.parallel_sampling import ParentRequest
 from runtime.llm.sampling_params import SamplingParams
 from runtime.llm.structured import GrammarCompiler
 from runtime.memory import DeviceMemoryManager, MemoryConfig
@@ -163,9 +168,11 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             kv_capacity_tokens=pool.num_blocks * pool.block_size,
+            max_num_seqs=max_num_seqs,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self._deadlines = QueueDeadlines()
+        self.groups: dict[str, ParentRequest] = {}  # requests of n > 1 choices in flight, by id
 
     # The core counts its steps; read here, where the Runtime, benches and tests look.
     @property
@@ -175,6 +182,12 @@ class LLMEngine:
     @property
     def num_failed_steps(self) -> int:
         return self.core.num_failed_steps
+
+    @property
+    def num_computed_prompt_tokens(self) -> int:
+        """Prompt tokens whose KV the engine computed: prefix-cache hits and the prompts that
+        forked choices share are not counted; a recompute after preemption is."""
+        return self.scheduler.stats().num_computed_prompt_tokens
 
     @property
     def last_step_shape(self) -> tuple[int, int]:
@@ -211,8 +224,10 @@ class LLMEngine:
         """Queue a prepared request (on the engine's thread). With a sink, every step that
         adds text hands it a streamed output, and the final output goes there too."""
         rid = p.request_id
-        if rid in self.outputs.requests:
+        if rid in self.outputs.requests or rid in self.groups:
             raise ValueError(f"request_id {rid!r} is already in use")
+        if p.params.num_choices > 1:
+            return self._add_choices(p, sink)
         req = self.inputs.to_request(p)
         if p.deadline is not None:
             self._deadlines.add(p.deadline, rid)
@@ -226,6 +241,31 @@ class LLMEngine:
         self.core.add_request(req, p, compiler)  # may refuse it (ValueError): then it is not tracked
         self.outputs.track(t)
         return rid
+
+    def _add_choices(self, p: PreparedRequest, sink: Sink | None) -> str:
+        """Queue a request of n > 1 choices: one request per choice, the first leading."""
+        g = ParentRequest(p, sink)
+        choices = g.choices(p)
+        for c in choices:
+            if c.request_id in self.outputs.requests or c.request_id in self.groups:
+                raise ValueError(f"request_id {p.request_id!r} is already in use (by its choice {c.request_id!r})")
+        reqs = [self.inputs.to_request(c) for c in choices]
+        reqs[0].followers = reqs[1:]
+        states = []
+        for k, (req, c) in enumerate(zip(reqs, choices)):
+            t, _ = self.outputs.new_request(req, c, g.choice_sink(k))
+            t.group, t.index = g, k
+            if not g.reports_logprobs:
+                t.logprobs = None  # computed for best_of's ranking alone
+            states.append(t)
+        if p.deadline is not None:
+            self._deadlines.add(p.deadline, choices[0].request_id)
+        compiler = self.inputs.grammar_compiler() if p.grammar is not None else None
+        self.core.add_request(reqs[0], choices[0], compiler, choices[1:])  # may refuse it: then nothing is tracked
+        for t in states:
+            self.outputs.track(t)
+        self.groups[p.request_id] = g
+        return p.request_id
 
     def add_request(
         self,
@@ -243,7 +283,13 @@ class LLMEngine:
         return self.add_prepared(prepared, sink)
 
     def abort(self, request_id: str, error: str | None = None, error_code: str | None = None) -> bool:
-        """End a request wherever it is (its blocks return at once); False if unknown."""
+        """End a request wherever it is (its blocks return at once); False if unknown. A request
+        of n > 1 choices ends every choice (a choice's id ends that choice alone)."""
+        g = self.groups.get(request_id)
+        if g is not None:
+            for cid in reversed(g.unfinished_ids()):  # followers first: the leader forks nobody
+                self.abort(cid, error, error_code)
+            return True
         t = self.outputs.requests.get(request_id)
         if t is None or not self.core.abort(request_id):
             return False
@@ -285,7 +331,7 @@ class LLMEngine:
         finished += self._fail(step.refused, now)
         outs = step.outputs
         now = time.monotonic()
-        ended, streamed = self.outputs.process(outs, step.logprobs, now)
+        ended, streamed = self.outputs.process(outs, step.logprobs, now, step.prompt_logprobs)
         for rid, reason in ended.items():  # the scheduler hears first: their blocks return
             if reason == "stop":
                 self.core.stop(rid)
@@ -294,8 +340,8 @@ class LLMEngine:
         requests = self.outputs.requests
         for rid, reason in outs.finished.items():
             t = requests.get(rid)
-            if t is not None:
-                finished.append(self._finish(t, reason, now))
+            if t is not None and (out := self._finish(t, reason, now)) is not None:
+                finished.append(out)
         self.outputs.stream(streamed)
         return finished
 
@@ -314,7 +360,8 @@ class LLMEngine:
             self.core.abort(rid)
             f = failures.missed(rid, t.metrics.arrival_time, deadline, now)
             t.error, t.error_code = f.message, f.code
-            out.append(self._finish(t, "abort", now))
+            if (done := self._finish(t, "abort", now)) is not None:
+                out.append(done)
         return out
 
     def _fail(self, failed: dict[str, Failure], now: float) -> list[RequestOutput]:
@@ -325,12 +372,32 @@ class LLMEngine:
             t = requests.get(rid)
             if t is not None:
                 t.error, t.error_code = f.message, f.code
-                out.append(self._finish(t, "abort", now))
+                if (done := self._finish(t, "abort", now)) is not None:
+                    out.append(done)
         return out
 
-    def _finish(self, t: RequestState, reason: str, now: float) -> RequestOutput:
+    def _finish(self, t: RequestState, reason: str, now: float) -> RequestOutput | None:
+        """End `t`; its final output, or for a choice of n > 1, the request's once its last
+        choice ends (None before: it goes to no sink, and no caller returns it)."""
         self.core.release(t.req.request_id)
-        return self.outputs.finish(t, reason, now)
+        out = self.outputs.finish(t, reason, now)
+        g = t.group
+        if g is None:
+            return out
+        final = g.finish_choice(t.index, out)
+        if final is not None:
+            self.groups.pop(g.request_id, None)
+            if g.sink is not None:
+                g.sink(final)
+            return final
+        if out.error is not None:  # a choice that fails fails the request: its error ends the others
+            requests = self.outputs.requests
+            for cid in reversed(g.unfinished_ids()):
+                s = requests.get(cid)
+                if s is not None and self.core.abort(cid):  # else it ended in this step: it comes next
+                    s.error, s.error_code = out.error, out.error_code
+                    final = self._finish(s, "abort", now) or final
+        return final
 
     # ---- streaming --------------------------------------------------------------------------
 
@@ -348,5 +415,5 @@ class LLMEngine:
                         return
                 self.step()
         finally:
-            if rid in self.outputs.requests:  # the consumer stopped early
+            if rid in self.outputs.requests or rid in self.groups:  # the consumer stopped early
                 self.abort(rid)

@@ -16,6 +16,7 @@ there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from runtime.llm import failures
@@ -36,6 +37,7 @@ class CoreStep:
     refused: dict[str, Failure] = field(default_factory=dict)  # newcomers the runner could not admit
     outputs: StepOutputs | None = None
     logprobs: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[list[int]], list[list[float]]]] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -46,15 +48,19 @@ class EngineCore:
         self.num_failed_steps = 0
         self.last_step_shape = (0, 0)  # (requests, tokens) of the last step, for cost models
 
-    def add_request(self, req: Request, p: PreparedRequest, grammar_compiler) -> None:
-        """Queue a request, and give the runner what it needs of it beyond the plan."""
+    def add_request(
+        self, req: Request, p: PreparedRequest, grammar_compiler, followers: Sequence[PreparedRequest] = ()
+    ) -> None:
+        """Queue a request, and give the runner what it needs of it beyond the plan; with n > 1,
+        `req.followers` are the other choices, and `followers` their prepared requests."""
         self.scheduler.add_request(req)
-        self.runner.keep_request_data(
-            req.request_id,
-            grammar=p.grammar,
-            grammar_compiler=grammar_compiler,
-            num_resumed_outputs=p.num_resumed_outputs,
-        )
+        for q in (p, *followers):
+            self.runner.keep_request_data(
+                q.request_id,
+                grammar=q.grammar,
+                grammar_compiler=grammar_compiler,
+                num_resumed_outputs=q.num_resumed_outputs,
+            )
 
     def release(self, request_id: str) -> None:
         """The request ended: the runner forgets its data (unknown ids are fine)."""
@@ -95,6 +101,7 @@ class EngineCore:
             step.refused = failures.refused_by_runner(self.scheduler, result.failed)
         step.outputs = self.scheduler.update(plan, result)
         step.logprobs = result.logprobs
+        step.prompt_logprobs = result.prompt_logprobs
         self.num_steps += 1
         self.last_step_shape = (plan.num_reqs, plan.total_tokens)
         return step

@@ -56,6 +56,9 @@ class PreparedRequest:
     grammar: GrammarMatcher | None = None  # params.structured_outputs compiled, one matcher per request
     num_resumed_outputs: int = 0  # the last n of token_ids are this request's earlier outputs
     done_reason: str | None = None  # "stop" / "length": complete already after the resumed outputs
+    # n > 1 (or best_of) with structured outputs: the matchers of choices 1, 2, ... (choice 0's
+    # is `grammar`), one per choice, as each advances on its own tokens.
+    choice_grammars: list[GrammarMatcher] | None = None
 
     @property
     def resumed_token_ids(self) -> list[int]:
@@ -76,8 +79,10 @@ class InputProcessor:
         eos_token_ids: frozenset[int],
         max_model_len: int,
         kv_capacity_tokens: int,
+        max_num_seqs: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs  # the most choices (n, best_of) one request may make
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -159,6 +164,18 @@ class InputProcessor:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
         if params.logprobs is not None and self.tokenizer is None:
             raise ValueError("logprobs: token texts need a tokenizer; this model has none")
+        if params.prompt_logprobs is not None and self.tokenizer is None:
+            raise ValueError("prompt_logprobs: token texts need a tokenizer; this model has none")
+        choices = params.num_choices
+        if choices > 1:
+            name = "n" if params.best_of is None else "best_of"
+            if self.max_num_seqs is not None and choices > self.max_num_seqs:
+                raise ValueError(
+                    f"{name} must be at most max_num_seqs ({self.max_num_seqs}): the choices decode side by side, "
+                    f"got {choices}"
+                )
+            if n:
+                raise ValueError(f"num_resumed_outputs must be 0 for a request of {name}={choices} choices, got {n}")
         max_tokens, done = self._max_tokens(params, len(ids), n)
         # Token ids index [rows, vocab] tensors in the sampler: one out of range there would
         # fail the whole step, so it is refused here, on the caller's thread.
@@ -168,9 +185,13 @@ class InputProcessor:
                 f"stop_token_ids must be token ids in [0, {self.vocab_size}) (the model's vocabulary), got {bad[:4]!r}"
             )
         grammar = None
+        choice_grammars = None
         if params.structured_outputs is not None:
             self._check_spellable(params.structured_outputs)
-            grammar = self.grammar_compiler().compile(params.structured_outputs).matcher()
+            compiled = self.grammar_compiler().compile(params.structured_outputs)
+            grammar = compiled.matcher()
+            if choices > 1:
+                choice_grammars = [compiled.matcher() for _ in range(choices - 1)]
             if n:
                 self._replay_grammar(grammar, ids[-n:])
         if n and done is None:
@@ -179,7 +200,9 @@ class InputProcessor:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         now = time.monotonic()
         deadline = None if deadline_s is None else now + deadline_s
-        return PreparedRequest(rid, text, ids, params, priority, now, deadline, max_tokens, grammar, n, done)
+        return PreparedRequest(
+            rid, text, ids, params, priority, now, deadline, max_tokens, grammar, n, done, choice_grammars
+        )
 
     def to_request(self, p: PreparedRequest) -> Request:
         """The scheduler's view of a prepared request. Its stop criteria count only what this
@@ -196,6 +219,9 @@ class InputProcessor:
             priority=p.priority,
             arrival_time=p.arrival_time,
             sampling=params,
+            # Prompt logprobs need every prompt position's logits, so such a request computes its
+            # whole prompt, as vLLM does (its blocks still enter the cache for others).
+            skip_prefix_cache=params.prompt_logprobs is not None,
         )
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
@@ -277,6 +303,8 @@ class InputProcessor:
         num_prompt = num_tokens - num_resumed
         room = self.max_model_len - num_prompt
         why = f"(max_model_len {self.max_model_len} minus the prompt's {num_prompt} tokens)"
+        if params.max_tokens == 0 and not num_resumed:  # scoring the prompt (prompt_logprobs): nothing to generate
+            return 0, None
         if params.max_tokens is not None:
             if params.max_tokens > room:
                 raise ValueError(f"max_tokens must be at most {room} {why}, got {params.max_tokens}")

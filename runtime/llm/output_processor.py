@@ -9,6 +9,14 @@ Structured outputs: after each step the sampled token is fed to the request's ma
 terminated grammar (nothing but EOS may follow) ends the request "stop", and a token the
 grammar refuses (a bug, or a row with no allowed token left) ends it with an error.
 
+Prompt logprobs: the runner's raw rows (a chunk's worth a step) are kept as they come and turned
+into entries once, when the first output that carries them is made (the final one, or the first
+streamed one): a loop over the prompt's tokens, but once per request, never once per step.
+
+Parallel sampling (n > 1): each choice is a request of its own here (its own detokenizer,
+logprobs, grammar, stop strings); `group` ties it to its ParentRequest
+(runtime/llm/parallel_sampling.py), which the engine hands each choice's final output.
+
 Resumed requests (runtime/llm/input_processor.py): outputs (token_ids, text, logprobs) hold only
 what is new. `text` begins where a stream of the earlier outputs would have stopped emitting
 (the characters held back for a stop string or an unfinished UTF-8 character come first), so
@@ -47,6 +55,12 @@ class RequestState:
         "logprobs",
         "grammar",
         "resumed_ids",
+        "track_logprobs",
+        "cumulative_logprob",
+        "prompt_chunks",
+        "prompt_entries",
+        "group",
+        "index",
     )
 
     def __init__(self, req: Request, prompt: str | None, params: SamplingParams, metrics: RequestMetrics) -> None:
@@ -62,6 +76,18 @@ class RequestState:
         self.logprobs: list[dict] | None = None if params.logprobs is None else []  # one per output token
         self.grammar: GrammarMatcher | None = None
         self.resumed_ids: list[int] = []  # the earlier outputs a resumed request came with
+        # The runner sends this request's sampled logprobs (it asked, or best_of ranks it on
+        # their sum); `logprobs` is None when they are for ranking only.
+        self.track_logprobs = params.logprobs is not None
+        self.cumulative_logprob = 0.0
+        # Prompt logprobs: the runner's (first position, ids rows, values rows) as they come,
+        # then the entries made from them once.
+        self.prompt_chunks: list[tuple[int, list[list[int]], list[list[float]]]] | None = (
+            None if params.prompt_logprobs is None else []
+        )
+        self.prompt_entries: list[dict | None] | None = None
+        self.group = None  # n > 1: the ParentRequest this choice belongs to
+        self.index = 0  # its choice index in the group
 
 
 class OutputProcessor:
@@ -108,23 +134,35 @@ class OutputProcessor:
                 t.metrics.first_scheduled_time = now
 
     def process(
-        self, outs: StepOutputs, logprobs: dict[str, tuple[list[int], list[float]]], now: float
+        self,
+        outs: StepOutputs,
+        logprobs: dict[str, tuple[list[int], list[float]]],
+        now: float,
+        prompt_logprobs: dict[str, tuple[int, list[list[int]], list[list[float]]]] | None = None,
     ) -> tuple[dict[str, str], list[RequestState]]:
-        """Take one step's new tokens. Returns the requests this processor ends (id -> "stop"
-        or "abort"; also entered in `outs.finished`) for the scheduler to be told, and the
-        requests with a sink, whose streamed output `stream()` sends once the finished ones
-        are out."""
+        """Take one step's new tokens (and prompt logprobs rows). Returns the requests this
+        processor ends (id -> "stop" or "abort"; also entered in `outs.finished`) for the
+        scheduler to be told, and the requests with a sink, whose streamed output `stream()`
+        sends once the finished ones are out."""
         requests = self.requests
         ended: dict[str, str] = {}
         streamed: list[RequestState] = []
+        if prompt_logprobs:
+            for rid, chunk in prompt_logprobs.items():
+                t = requests.get(rid)
+                if t is not None and t.prompt_chunks is not None:
+                    t.prompt_chunks.append(chunk)
         for rid, tokens in zip(outs.req_ids, outs.new_token_ids):
             if not tokens:
                 continue
             t = requests.get(rid)
             if t is None:
                 continue
-            if t.logprobs is not None:  # the runner sent (ids, logprobs) for its one new token
-                t.logprobs.append(self._logprob_entry(*logprobs[rid]))
+            if t.track_logprobs:  # the runner sent (ids, logprobs) for its one new token
+                ids, values = logprobs[rid]
+                t.cumulative_logprob += values[0]
+                if t.logprobs is not None:
+                    t.logprobs.append(self._logprob_entry(ids, values))
             if t.grammar is not None and not self._advance_grammar(t, tokens, outs.finished, ended):
                 continue  # finished with an error: no text to stream
             times = t.metrics.token_times
@@ -172,6 +210,10 @@ class OutputProcessor:
         new_ids = ids[sent:]
         t.num_sent = len(ids)
         lps = t.logprobs
+        # Prompt logprobs go out once to a stream (its first output) and again in the final one.
+        prompt_lps = None
+        if t.prompt_chunks is not None and (reason is not None or not sent):
+            prompt_lps = self._prompt_entries(t)
         return RequestOutput(
             req.request_id,
             t.prompt,
@@ -187,7 +229,26 @@ class OutputProcessor:
             None if lps is None else list(lps),
             None if lps is None else lps[sent:],
             self._stop_reason(t) if reason == "stop" else None,
+            prompt_lps,
+            t.cumulative_logprob if t.track_logprobs else None,
         )
+
+    def _prompt_entries(self, t: RequestState) -> list[dict | None]:
+        """One entry per prompt token (the first None), made once from the runner's rows; a
+        position given twice (a request preempted while prefilling computes it again) keeps
+        its first. Each row is cut to the request's own k."""
+        if t.prompt_entries is not None:
+            return list(t.prompt_entries)
+        num_prompt = len(t.req.prompt_token_ids) - len(t.resumed_ids)
+        entries: list[dict | None] = [None] * num_prompt
+        width = t.params.prompt_logprobs + 1
+        for first, id_rows, value_rows in t.prompt_chunks:
+            for pos, ids, values in zip(range(first, first + len(id_rows)), id_rows, value_rows):
+                if entries[pos] is None:
+                    entries[pos] = self._logprob_entry(ids[:width], values[:width])
+        if t.req.output_token_ids:  # it sampled, so its prompt is complete: made once
+            t.prompt_entries, t.prompt_chunks = entries, []
+        return list(entries)
 
     @staticmethod
     def _advance_grammar(t: RequestState, tokens: list[int], finished: dict[str, str], ended: dict[str, str]) -> bool:

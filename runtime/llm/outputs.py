@@ -44,12 +44,20 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One choice of a request (vLLM's). The delta_* fields hold what is new since the choice's
+    previous streamed output."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[dict] | None = None
     stop_reason: str | int | None = None
+    # The sum of its tokens' logprobs, where they were computed (logprobs asked, or best_of > n).
+    cumulative_logprob: float | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[dict] | None = None
 
 
 @dataclass(slots=True)
@@ -74,6 +82,16 @@ class RequestOutput:
     delta_logprobs: list[dict] | None = None  # the entries of delta_token_ids
     # The stop string or stop token id that ended the request; None for EOS, length or abort.
     stop_reason: str | int | None = None
+    # When params.prompt_logprobs is not None: one entry per prompt token, None for the first
+    # (nothing predicts it), then entries shaped as `logprobs`' ("top" holds prompt_logprobs
+    # alternatives). In the final output, and in the first streamed one.
+    prompt_logprobs: list[dict | None] | None = None
+    cumulative_logprob: float | None = None  # see CompletionOutput
+    # n > 1 (or best_of): every choice, by index; the fields above are then choice 0's. A
+    # streamed output holds the choices that moved (with their deltas); the final one, finished
+    # once every choice is, holds the n choices whole (best_of: the n of highest
+    # cumulative_logprob, best first). None for a single choice: `outputs` builds it.
+    completions: list[CompletionOutput] | None = None
 
     @property
     def finished(self) -> bool:
@@ -81,5 +99,20 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """vLLM's shape: one completion per request (Tandem samples n=1)."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs, self.stop_reason)]
+        """vLLM's shape: one CompletionOutput per choice."""
+        if self.completions is not None:
+            return self.completions
+        return [
+            CompletionOutput(
+                0,
+                self.text,
+                self.token_ids,
+                self.finish_reason,
+                self.logprobs,
+                self.stop_reason,
+                self.cumulative_logprob,
+                self.delta_text,
+                self.delta_token_ids,
+                self.delta_logprobs,
+            )
+        ]
