@@ -161,7 +161,10 @@ class ServingMetrics:
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
             self.counters["prompt_tokens"] += len(out.prompt_token_ids)
-            self.counters["generation_tokens"] += sum(len(c.token_ids) for c in out.outputs)
+            choices = getattr(out, "completions", None)  # n > 1: every choice's tokens count
+            self.counters["generation_tokens"] += (
+                sum(len(c.token_ids) for c in choices) if choices else len(out.token_ids)
+            )
             h = self.histograms
             if m.first_scheduled_time is not None:
                 h["request_queue_time_seconds"].observe(m.first_scheduled_time - m.arrival_time)
