@@ -67,11 +67,69 @@ _MESSAGE = {
             ]
         },
         "name": _STR,
+        "tool_calls": {  # an assistant's calls, sent back: its content may then be null
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "string", "minLength": 1},
+                    "type": {"const": "function"},
+                    "function": {
+                        "type": "object",
+                        "properties": {"name": {"type": "string", "minLength": 1}, "arguments": _STR},
+                        "required": ["name", "arguments"],
+                        "additionalProperties": False,
+                    },
+                },
+                "required": ["id", "function"],
+                "additionalProperties": False,
+            },
+        },
+        "tool_call_id": {"type": "string", "minLength": 1, "description": "a tool message: the call it answers"},
     },
-    "required": ["role", "content"],
+    "required": ["role"],
     "additionalProperties": False,
 }
 _MESSAGES = {"type": "array", "items": _MESSAGE, "minItems": 1}
+_FUNCTION = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        "description": _STR,
+        "parameters": {"type": "object", "description": "the arguments' JSON Schema (an object)"},
+        "strict": _BOOL,
+    },
+    "required": ["name"],
+    "additionalProperties": False,
+}
+_TOOLS = {
+    "tools": {
+        "type": "array",
+        "maxItems": 128,
+        "items": {
+            "type": "object",
+            "properties": {"type": {"const": "function"}, "function": _FUNCTION},
+            "required": ["type", "function"],
+            "additionalProperties": False,
+        },
+    },
+    "tool_choice": {
+        "oneOf": [
+            {"enum": ["auto", "required", "none"]},
+            {
+                "type": "object",
+                "properties": {
+                    "type": {"const": "function"},
+                    "function": {"type": "object", "properties": {"name": _STR}, "required": ["name"]},
+                },
+                "required": ["type", "function"],
+                "additionalProperties": False,
+            },
+        ]
+    },
+    "parallel_tool_calls": _BOOL,
+}
 
 SCHEMAS: dict[str, dict] = {
     "Completion": {
@@ -93,6 +151,7 @@ SCHEMAS: dict[str, dict] = {
             "max_completion_tokens": {"type": "integer", "minimum": 1},
             "logprobs": _BOOL,
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+            **_TOOLS,
             **_OPENAI,
             **_SAMPLING,
         },
@@ -113,6 +172,8 @@ SCHEMAS: dict[str, dict] = {
             "image": {"type": "string", "minLength": 1, "contentEncoding": "base64"},
             "url": {"type": "string", "minLength": 1},
             "path": {"type": "string", "minLength": 1},
+            **_TOOLS,
+            "tool_call_parser": {"enum": ["hermes", "llama3_json", "generic"]},
             **_SAMPLING,
         },
         "additionalProperties": False,

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-import threading
 
 import pytest
 from fastapi.testclient import TestClient
-from test_jobs_support import RedisServer
+from test_jobs_support import JobHost, RedisServer
 
 from runtime.errors import FieldError
 from runtime.handles import DeadlineExceededError
@@ -91,34 +90,6 @@ def test_the_app_answers_a_refusal_with_the_errors_field(exc, param):
 # ---- over Redis: the worker's run_job writes the data, the server and the client read it ----------
 
 
-class _Host:
-    """What workers.jobs.run_job needs of a WorkerHost: a store, an EventWriter, its counters."""
-
-    def __init__(self, store) -> None:
-        from workers.writer import EventWriter
-
-        self.store, self.settings, self.worker_id = store, store.settings, "w-test"
-        self.writer = EventWriter(store)
-        self.active: dict = {}
-        self.lock = threading.Lock()
-        self.counts: dict[str, int] = {}
-
-    def reserve(self, job_id: str) -> bool:
-        return self.active.setdefault(job_id, None) is None
-
-    def activate(self, job) -> None:
-        self.active[job.job_id] = job
-
-    def release_job(self, job_id: str) -> None:
-        self.active.pop(job_id, None)
-
-    def runtime_broken(self):
-        return None
-
-    def count(self, state: str) -> None:
-        self.counts[state] = self.counts.get(state, 0) + 1
-
-
 @pytest.fixture()
 def host(tmp_path):
     from workers.settings import JobSettings
@@ -126,7 +97,7 @@ def host(tmp_path):
 
     server = RedisServer(tmp_path).start()
     store = JobStore(JobSettings(redis_url=server.url))
-    h = _Host(store)
+    h = JobHost(store)
     store.heartbeat(h.worker_id)
     yield h
     h.writer.close()

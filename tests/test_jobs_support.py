@@ -179,3 +179,32 @@ def tiny_worker_args(model_dir: str, max_num_seqs: int = 8) -> list[str]:
         "--loglevel",
         "INFO",
     ]
+
+
+class JobHost:
+    """What workers.jobs.run_job and generate_body need of a WorkerHost, without its threads: a
+    JobStore, an EventWriter, the jobs it holds, its counters; `runtime` a fake one, or None."""
+
+    def __init__(self, store, worker_id: str = "w-test", runtime=None) -> None:
+        from workers.writer import EventWriter
+
+        self.store, self.settings, self.worker_id = store, store.settings, worker_id
+        self.writer = EventWriter(store)
+        self.runtime, self.model_name = runtime, "tiny"
+        self.active: dict = {}
+        self.counts: dict[str, int] = {}
+
+    def reserve(self, job_id: str) -> bool:
+        return self.active.setdefault(job_id, None) is None
+
+    def activate(self, job) -> None:
+        self.active[job.job_id] = job
+
+    def release_job(self, job_id: str) -> None:
+        self.active.pop(job_id, None)
+
+    def runtime_broken(self):
+        return None
+
+    def count(self, state: str) -> None:
+        self.counts[state] = self.counts.get(state, 0) + 1

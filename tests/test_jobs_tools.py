@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -164,3 +165,119 @@ def test_a_resumed_stream_sends_what_the_first_attempt_did_not_once_with_its_ids
     ]
     assert [c.id for c in message.tool_calls] == ids and reason == "tool_calls"  # the ids that were sent
     assert second.num_events == len(events)  # the next seq
+
+
+# ---- a tool job resumed on another worker: generate_body over real Redis, a fake Runtime ---------------
+
+
+class _Died(Exception):
+    """The first worker's end, mid-stream."""
+
+
+class _Out(SimpleNamespace):
+    def __init__(self, ids, delta, text, reason=None) -> None:
+        super().__init__(
+            token_ids=ids,
+            delta_text=delta,
+            text=text,
+            prompt_token_ids=[9, 9],
+            finish_reason=reason,
+            error=None,
+            error_code=None,
+            logprobs=None,
+            delta_logprobs=None,
+            stop_reason=None,
+            metrics=SimpleNamespace(e2e_latency=None, decode_tokens_per_s=None),
+        )
+
+
+class _Runtime:
+    """Token i (1-based) is pieces[i - 1]; an attempt streams `ids` (then dies, if told to)."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+        self.llm = SimpleNamespace(eos_token_ids={0})
+        self.tokenizer = _Tokenizer()
+        self.tokenizer.decode = lambda ids, skip_special_tokens=True: "".join(pieces[i - 1] for i in ids)
+        self.tokenizer.apply_chat_template = lambda conv, **kw: "".join(m["content"] for m in conv)
+        self.max_model_len = 4096
+        self.plan: tuple[list[int], bool] = ([], False)
+        self.structured = None
+
+    def submit_generate(self, prompt, params, priority=0, deadline_s=None, request_id=None, num_resumed_outputs=0):
+        ids, dies = self.plan
+        self.structured = params.structured_outputs
+
+        def outputs():
+            for k in range(1, len(ids) + 1):
+                text = "".join(self.pieces[i - 1] for i in ids[:k])
+                yield _Out(ids[:k], self.pieces[ids[k - 1] - 1], text, None if k < len(ids) or dies else "stop")
+            if dies:
+                raise _Died()
+
+        return _Handle(outputs())
+
+
+class _Handle:
+    def __init__(self, outputs) -> None:
+        self.outputs = outputs
+
+    def __iter__(self):
+        return self.outputs
+
+    def cancel(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("cut", [12, 30, 50])
+def test_a_tool_job_resumed_on_another_worker_sends_each_call_once_with_its_first_id(tmp_path, cut):
+    from test_jobs_support import JobHost, RedisServer
+
+    from workers.host import ActiveJob
+    from workers.jobs import generate_body, run_job
+    from workers.settings import JobSettings
+    from workers.store import JobStore
+
+    text = _text([("get_weather", {"city": "Rome", "days": 3}), ("get_weather", {"city": "Paris", "days": 1})])
+    pieces = [text[i : i + 2] for i in range(0, len(text), 2)]
+    kwargs = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 200}
+    server = RedisServer(tmp_path).start()
+    store = JobStore(JobSettings(redis_url=server.url))
+    try:
+        first, second = JobHost(store, "w1", _Runtime(pieces)), JobHost(store, "w2", _Runtime(pieces))
+        store.submit("tj", "tandem.generate", "llm", kwargs, ttl_s=60, max_tokens=200)
+        store.heartbeat("w1")
+        claim = store.claim(
+            "tj", "w1", "t1", "tandem.generate", "llm", kwargs, ttl_s=60, max_tokens=200, submitted_at=0
+        )
+        job = ActiveJob("tj", "t1", claim)
+        job.queue = "llm"
+        first.runtime.plan = (list(range(1, cut + 1)), True)
+        with pytest.raises(_Died):
+            generate_body(first, job, kwargs)
+        first.writer.close()  # what it queued is written; then it is gone
+        store.release("w1")
+        second.runtime.plan = (list(range(cut + 1, len(pieces) + 1)), False)
+        store.heartbeat("w2")
+        result = run_job(second, "tandem.generate", "tj", "llm", kwargs, generate_body)
+        events = store.events("tj")
+        record = store.record("tj")
+    finally:
+        second.writer.close()
+        store.close()
+        server.stop()
+    assert second.runtime.structured is not None  # the tool grammar held the resumed attempt too
+    assert [e.type for e in events].count("restarted") == 1
+    opened = [e for e in events if e.type == "tool_call"]
+    assert [e.call_index for e in opened] == [0, 1]
+    calls = _calls(events)
+    assert [(name, json.loads(args)) for _, name, args in calls] == [
+        ("get_weather", {"city": "Rome", "days": 3}),
+        ("get_weather", {"city": "Paris", "days": 1}),
+    ]
+    assert [c["id"] for c in result["tool_calls"]] == [e.call_id for e in opened]
+    assert [c["function"]["arguments"] for c in result["tool_calls"]] == [args for _, _, args in calls]
+    assert result["finish_reason"] == "tool_calls" and result["content"] == "Sure."
+    assert "".join(e.text for e in events) == "Sure."
+    assert int(record["num_appended"]) == sum(e.type in ("tool_call", "tool_args") for e in events)
+    assert {e.attempt for e in events if e.type == "tool_args"} <= {1, 2}

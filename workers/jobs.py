@@ -206,8 +206,11 @@ def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict,
     written: list[JobEvent] = []
     if job.resumed_from:
         rec = host.store.record(job.job_id)  # the first attempt's timings
-        written = host.store.events(job.job_id)
-        prefix_ids, prefix_text, prefix_logprobs = prefix_of(written)
+        if tools:  # its calls, too
+            written = host.store.events(job.job_id)
+            prefix_ids, prefix_text, prefix_logprobs = prefix_of(written)
+        else:
+            prefix_ids, prefix_text, prefix_logprobs = host.store.prefix(job.job_id)
     calls = _JobTools(host, job, ToolStream(*tools, written)) if tools else None
     if calls is not None and prefix_ids:  # a tool job's token events hold content, not the text
         prefix_text = rt.tokenizer.decode(prefix_ids, skip_special_tokens=params.skip_special_tokens)
