@@ -138,3 +138,16 @@ def shared_fleet(tmp_path_factory, tiny_llama_dir):
         yield fleet
     finally:
         fleet.stop()
+
+
+@pytest.fixture(scope="session")
+def models_fleet(tmp_path_factory, smollm2_dir, tiny_llama_dir):
+    """The session's two-model fleet (SmolLM2 and the tiny Llama on one Redis, one `tandem serve`;
+    tests/fleet_support.py), started on first use, stopped at the session's end."""
+    from fleet_support import ModelsFleet
+
+    fleet = ModelsFleet(tmp_path_factory.mktemp("models"), smollm2_dir, tiny_llama_dir)
+    try:
+        yield fleet
+    finally:
+        fleet.stop()

@@ -8,7 +8,9 @@ Who shares it: test_serve (the fleet and the embedded server), test_jobs_logprob
 test_image_limits (the worker), test_bad_requests (the worker, under a server of its own with
 second-long body, header and keep-alive limits), test_serve_fuzz (the embedded server). Who
 keeps fleets of their own, and why: test_workers_celery (a vision-only worker that must be the
-only one on the vision queue), test_fleet_models (two models).
+only one on the vision queue). The session's second fleet, `ModelsFleet` (two models on one
+Redis: SmolLM2 and the tiny Llama), serves test_fleet_models and test_serve's SmolLM2 tests:
+apart from the first, because a fleet of two models refuses a request that names none.
 
 The rule for its users: tests run one at a time, so a test that finishes its jobs (or cancels
 them and waits for their end) leaves the fleet idle for the next one; a test never counts every
@@ -31,6 +33,10 @@ FLEET_MAX_BODY = 256 << 10  # bus.jpg (137 kB) fits, as base64 too
 FLEET_WORKER = "fleet@tests"
 FLEET_TASK_THREADS = 2  # the worker's: this many long jobs running make the next one wait in Redis
 FLEET_WORKER_ENV = {"TANDEM_HEARTBEAT_S": "0.5"}  # /metrics lags a worker by one heartbeat
+
+
+MODELS_SMOL, MODELS_TINY = "smollm2", "tiny"  # ModelsFleet's served model names
+MODELS_SMOL_WORKER, MODELS_TINY_WORKER = "smol@models", "tiny@models"
 
 
 class ServeProcess:
@@ -216,6 +222,116 @@ class SharedFleet:
 
     def stop(self) -> None:
         stop_all(self._started)
+
+
+class ModelsFleet:
+    """The session's fleet of two models on one Redis, started on first use (`start()` launches,
+    `ready()` waits): a worker on SmolLM2 served as MODELS_SMOL (LLM only; what only a real
+    model answers), a worker on the tiny Llama served as MODELS_TINY (LLM, and YOLO26n at imgsz
+    160 on vision), and one `tandem serve`. Each worker runs two sequences on two task threads and
+    publishes its metrics every 0.5 s. One SmolLM2 worker for the session, where test_serve and
+    test_fleet_models each started their own (and their own Redis and server)."""
+
+    def __init__(self, tmp: Path, smol_dir: str, tiny_dir: str) -> None:
+        self.tmp, self.smol_dir, self.tiny_dir = tmp, smol_dir, tiny_dir
+        self._started: list = []
+        self._ready = False
+
+    @staticmethod
+    def _llm_args(model: list[str], max_model_len: int, kv_bytes: int) -> list[str]:
+        return [
+            "--dtype",
+            "float32",
+            *model,
+            "--max-num-seqs",
+            "2",
+            "--concurrency",
+            "2",
+            "--max-model-len",
+            str(max_model_len),
+            "--kv-cache-bytes",
+            str(kv_bytes),
+        ]
+
+    def start(self) -> ModelsFleet:
+        if self._started:
+            return self
+        from workers.app import make_app
+        from workers.settings import JobSettings
+
+        self.redis = self._add(RedisServer(self.tmp).start())
+        self.celery = make_app(JobSettings(redis_url=self.redis.url))
+        self.smol = self._add(
+            WorkerProcess(
+                MODELS_SMOL_WORKER,
+                self.redis.url,
+                self.tmp,
+                # Named by --served-model-name here, by NAME=PATH for the tiny one: both spellings.
+                [
+                    "--queues",
+                    "llm",
+                    *self._llm_args(["--model", self.smol_dir, "--served-model-name", MODELS_SMOL], 1024, 64 << 20),
+                ],
+                FLEET_WORKER_ENV,
+            )
+        )
+        self.tiny = self._add(
+            WorkerProcess(
+                MODELS_TINY_WORKER,
+                self.redis.url,
+                self.tmp,
+                [
+                    "--queues",
+                    "llm,vision",
+                    "--imgsz",
+                    "160",
+                    "--vision-max-batch-size",
+                    "1",
+                    *self._llm_args(["--model", f"{MODELS_TINY}={self.tiny_dir}"], 512, 32 << 20),
+                ],
+                FLEET_WORKER_ENV,
+            )
+        )
+        self.server = self._add(ServeProcess("serve-models", self.tmp, ["--redis-url", self.redis.url]))
+        return self
+
+    def ready(self) -> ModelsFleet:
+        self.start()
+        if not self._ready:
+            for w in (self.smol, self.tiny):
+                w.wait_ready(self.celery, timeout=240)
+            self.server.wait_ready()
+            wait_for(
+                lambda: sorted(model_ids(self.server.url)) == [MODELS_SMOL, MODELS_TINY],
+                30,
+                "both models in /v1/models",
+            )
+            self._ready = True
+        return self
+
+    def redis_client(self):
+        if not hasattr(self, "_redis_client"):
+            import redis
+
+            self._redis_client = redis.Redis.from_url(self.redis.url, decode_responses=True)
+        return self._redis_client
+
+    def job_ids(self) -> set[str]:
+        """Every job id in its Redis now: a test takes them before its requests, and looks only at
+        the new ones."""
+        from workers.store import job_key
+
+        prefix = job_key("")
+        return {k[len(prefix) :] for k in self.redis_client().scan_iter(match=job_key("*"), count=1000)}
+
+    def _add(self, proc):
+        self._started.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        stop_all(self._started)
+        if hasattr(self, "_redis_client"):
+            self._redis_client.close()
 
 
 def stop_all(procs: list) -> None:

@@ -5,7 +5,9 @@ httpx, over a real redis-server and real `tandem worker` processes; one embedded
              random Llama on llm, YOLO26n at imgsz 160 on vision, two task threads, so that a
              third job waits in Redis) + `tandem serve` (--max-body-bytes 256 KiB); and this
              module's second and third `tandem serve` over it, with --max-queued 1 and --api-key
-    smol     redis + a worker on the real SmolLM2 + `tandem serve`: answers a model must mean
+    smol     the session's ModelsFleet (tests/fleet_support.py, shared with test_fleet_models):
+             redis + a worker on the real SmolLM2 (served as "smollm2") + one on the tiny Llama
+             + `tandem serve`: answers a model must mean
     embedded the session's `tandem serve --embedded` on the tiny Llama, its Redis URL pointing
              at nothing
 
@@ -29,16 +31,22 @@ import httpx
 import openai
 import pytest
 import redis
-from fleet_support import FLEET_MAX_BODY, FLEET_WORKER, ServeProcess, SharedFleet, model_ids, stop_all
-from test_jobs_support import RedisServer, WorkerProcess, wait_for
+from fleet_support import (
+    FLEET_MAX_BODY,
+    FLEET_WORKER,
+    MODELS_SMOL,
+    MODELS_TINY,
+    ModelsFleet,
+    ServeProcess,
+    SharedFleet,
+    stop_all,
+)
+from test_jobs_support import wait_for
 
-from workers.app import make_app
-from workers.settings import JobSettings
 from workers.store import job_key
 
 pytestmark = pytest.mark.slow
 MAX_BODY = FLEET_MAX_BODY  # bus.jpg (137 kB) fits, as base64 too
-WORKER_ENV = {"TANDEM_HEARTBEAT_S": "0.5"}  # /metrics lags a worker by one heartbeat
 DETECT_KEYS = {"source", "frame", "boxes", "conf", "cls", "names", "error"}
 FINAL = ("done", "failed", "cancelled")
 API_KEY = "serve-test-key"
@@ -48,8 +56,8 @@ class Stack:
     """The session's shared fleet (tests/fleet_support.py) and this module's own processes;
     `main()`, `smol()` and `embedded()` wait for their part."""
 
-    def __init__(self, fleet: SharedFleet, tmp: Path, smol_dir: str) -> None:
-        self.fleet, self.tmp, self.smol_dir = fleet, tmp, smol_dir
+    def __init__(self, fleet: SharedFleet, tmp: Path, models: ModelsFleet) -> None:
+        self.fleet, self.tmp, self.models = fleet, tmp, models
         self.model = ""
         self._ready: set[str] = set()
         self._started: list = []
@@ -59,39 +67,11 @@ class Stack:
         self.fleet.start_embedded()
         self.images, self.redis, self.celery = fleet.images, fleet.redis, fleet.celery
         self.worker, self.server = fleet.worker, fleet.server
-        (tmp / "smol").mkdir()
-        self.smol_redis = self._add(RedisServer(tmp / "smol").start())
         self.r = redis.Redis.from_url(self.redis.url, decode_responses=True)
-        self.smol_worker = self._add(
-            WorkerProcess(
-                "smol@serve",
-                self.smol_redis.url,
-                tmp,
-                [
-                    "--queues",
-                    "llm",
-                    "--dtype",
-                    "float32",
-                    "--model",
-                    self.smol_dir,
-                    "--served-model-name",
-                    "smollm2",
-                    "--max-num-seqs",
-                    "2",
-                    "--concurrency",
-                    "2",
-                    "--max-model-len",
-                    "1024",
-                    "--kv-cache-bytes",
-                    str(64 << 20),
-                ],
-                env=WORKER_ENV,
-            )
-        )
+        self.models.start()
         redis_args = ["--redis-url", self.redis.url]
         self.busy_server = self._add(ServeProcess("serve-busy", tmp, [*redis_args, "--max-queued", "1"]))
         self.key_server = self._add(ServeProcess("serve-key", tmp, [*redis_args, "--api-key", API_KEY]))
-        self.smol_server = self._add(ServeProcess("serve-smol", tmp, ["--redis-url", self.smol_redis.url]))
         return self
 
     def _add(self, proc):
@@ -105,12 +85,7 @@ class Stack:
         return self
 
     def smol(self) -> ServeProcess:
-        if "smol" not in self._ready:
-            self.smol_worker.wait_ready(make_app(JobSettings(redis_url=self.smol_redis.url)))
-            self.smol_server.wait_ready()
-            wait_for(lambda: model_ids(self.smol_server.url), 30, "smollm2 in /v1/models")
-            self._ready.add("smol")
-        return self.smol_server
+        return self.models.ready().server
 
     def embedded(self) -> ServeProcess:
         return self.fleet.embedded()
@@ -133,8 +108,8 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(shared_fleet, tmp_path_factory, smollm2_dir):
-    s = Stack(shared_fleet, tmp_path_factory.mktemp("serve"), smollm2_dir)
+def stack(shared_fleet, tmp_path_factory, models_fleet):
+    s = Stack(shared_fleet, tmp_path_factory.mktemp("serve"), models_fleet)
     try:
         yield s.start()
     finally:
@@ -310,7 +285,7 @@ def test_raw_stream_is_sse_with_usage_last_and_done(env, endpoint):
 
 def test_chat_with_smollm2_answers_and_its_stream_says_the_same(stack):
     client = stack.client(stack.smol())
-    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    assert sorted(m.id for m in client.models.list().data) == [MODELS_SMOL, MODELS_TINY]
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     plain = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=32, temperature=0)
     answer = plain.choices[0].message.content
