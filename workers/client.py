@@ -83,9 +83,11 @@ class JobClient:
     ) -> str:
         """Queue a generation; returns its job id once the job is recorded and its Celery
         message queued, in one atomic step (durable with Redis's appendfsync always). Bad
-        fields raise ValueError here. `model`: the served name of the model to run it (its
-        queue, settings.model_queue); neither model nor queue: the plain `llm` queue, which
-        any LLM worker runs on its model."""
+        fields raise ValueError here (a FieldError naming the field). `model`: the served name
+        of the model to run it (its queue, settings.model_queue); neither model nor queue: the
+        plain `llm` queue, which any LLM worker runs on its model. With `messages`, OpenAI's
+        `tools`, `tool_choice` and `parallel_tool_calls` (and `tool_call_parser`) make a tool
+        job: its stream has tool_call / tool_args events, its result `content` and `tool_calls`."""
         if model is not None and queue is not None:
             raise ValueError(f"model: give a model or a queue, not both (got {model!r} and {queue!r})")
         queue = model_queue(model) if model is not None else (queue or "llm")

@@ -3,7 +3,9 @@ live in Redis, so this needs workers (not --embedded).
 
 A generate job passes the same checks as the OpenAI endpoints (protocol.check_job: finite
 numbers, known roles, ...) before workers/jobspec.py's, and names its model as they do (`model`:
-a served name, which picks that model's queue, workers.settings.model_queue). With an API key,
+a served name, which picks that model's queue, workers.settings.model_queue). Chat messages may
+come with tools (tools, tool_choice, parallel_tool_calls): the job's events then carry the calls
+(tool_call / tool_args, workers/events.py) and its result `content` and `tool_calls`. With an API key,
 each job belongs to the key that submitted it (contract G): another key gets 404, as if it did
 not exist.
 """
