@@ -136,6 +136,7 @@ class Runtime:
         self.step_ms: deque[float] = deque(maxlen=256)
         self.metrics = ServingMetrics()  # Prometheus figures, as vLLM names them (runtime/metrics.py)
         self._num_preemptions = 0
+        self._num_computed_prompt = 0  # SchedulerStats.num_computed_prompt_tokens, fed as num_preemptions is
         self.vision = self.llm = None
         self._blocked_since: float | None = None  # vision holds every lane while the LLM waits
         self._llm_active = False  # the LLM has work: vision leaves it a lane
@@ -310,6 +311,8 @@ class Runtime:
                 # The scheduler counts preemptions since start; the metric is a counter of them.
                 self.metrics.add("num_preemptions", load.num_preemptions - self._num_preemptions)
                 self._num_preemptions = load.num_preemptions
+                self.metrics.add("prompt_tokens_computed", load.num_computed_prompt_tokens - self._num_computed_prompt)
+                self._num_computed_prompt = load.num_computed_prompt_tokens
             if self.vision is not None:
                 gauges["vision_queue_depth"] = self.vision.scheduler.stats().num_waiting
         return self.metrics.snapshot(gauges)
