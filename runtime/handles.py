@@ -7,7 +7,8 @@ the Runtime's loop thread and read from any other.
     final = handle.result(timeout=30)
 
 Outputs a reader has not taken yet are merged (their deltas joined), so a handle that is
-never iterated holds one pending output, not one per token.
+never iterated holds one pending output, not one per token (n > 1: one per choice, since two
+choices' deltas are never joined).
 """
 
 from __future__ import annotations
@@ -42,6 +43,40 @@ def error_for(out: RequestOutput) -> RequestError:
     return ERRORS_BY_CODE.get(out.error_code or "", RequestError)(out.error)
 
 
+def _choice(out) -> int | None:
+    """The choice a streamed output of an n > 1 request moves (it holds that one alone); None
+    for a request of one choice, and for the final output of n (it holds them all)."""
+    completions = getattr(out, "completions", None)
+    return completions[0].index if completions is not None and len(completions) == 1 else None
+
+
+def _mergeable(pending: list[RequestOutput], out: RequestOutput) -> int | None:
+    """Where in `pending` the output that `out` continues is: the last unfinished one of the same
+    choice. Outputs of two choices are never joined (their deltas are two texts); so a handle
+    never read holds one pending output per choice, not one per token."""
+    k = _choice(out)
+    for at in range(len(pending) - 1, -1, -1):
+        prev = pending[at]
+        if prev.finished:
+            return None
+        if _choice(prev) == k:
+            return at
+        if k is None:
+            return None
+    return None
+
+
+def _join_deltas(prev, out) -> None:
+    """out's deltas become prev's and its own, in order (a RequestOutput or a CompletionOutput)."""
+    out.delta_text = prev.delta_text + out.delta_text
+    out.delta_token_ids = prev.delta_token_ids + out.delta_token_ids
+    prev_lp, lp = getattr(prev, "delta_logprobs", None), getattr(out, "delta_logprobs", None)
+    if prev_lp is not None and lp is not None:  # contract B: aligned with delta_token_ids
+        out.delta_logprobs = prev_lp + lp
+    if getattr(prev, "prompt_logprobs", None) is not None and out.prompt_logprobs is None:
+        out.prompt_logprobs = prev.prompt_logprobs  # a stream's first output carries them: the merged one is first
+
+
 class GenerationHandle:
     def __init__(self, request_id: str, cancel: Callable[[str], None]) -> None:
         self.request_id = request_id
@@ -60,13 +95,12 @@ class GenerationHandle:
         with self._cond:
             if self._final is not None or self._error is not None:
                 return
-            if self._pending and not self._pending[-1].finished:
-                prev = self._pending.pop()
-                out.delta_text = prev.delta_text + out.delta_text
-                out.delta_token_ids = prev.delta_token_ids + out.delta_token_ids
-                prev_lp, lp = getattr(prev, "delta_logprobs", None), getattr(out, "delta_logprobs", None)
-                if prev_lp is not None and lp is not None:  # contract B: aligned with delta_token_ids
-                    out.delta_logprobs = prev_lp + lp
+            at = _mergeable(self._pending, out)
+            if at is not None:
+                prev = self._pending.pop(at)
+                _join_deltas(prev, out)
+                if _choice(out) is not None:  # the choice's own CompletionOutput carries them too
+                    _join_deltas(prev.completions[0], out.completions[0])
             self._pending.append(out)
             if out.finished:
                 self._final = out
