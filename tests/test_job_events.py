@@ -22,6 +22,9 @@ LOGPROBS = [{"token_id": 5, "token": "a", "bytes": [97], "logprob": -0.5, "top":
 SAMPLES = [
     JobEvent("token", "a", [5], LOGPROBS, index=0, attempt=1),
     JobEvent("token", "", [6, 7], index=1, attempt=2),  # held back by a tool parser: no content yet
+    JobEvent("token", "b", [8], index=0, attempt=1, choice=2),  # n > 1: choice 2's first token
+    JobEvent("prompt", token_ids=[1, 5], logprobs=[{**LOGPROBS[0], "token_id": 1, "logprob": None}, LOGPROBS[0]]),
+    JobEvent("choice_end", "!", choice=1, finish_reason="stop", stop_reason="\n", num_tokens=4, attempt=1),
     JobEvent("restarted", attempt=2, resumed_from=3, worker="w@h"),
     JobEvent("tool_call", call_index=0, call_id="call_0a1b", name="get_weather", attempt=1),
     JobEvent("tool_args", call_index=0, arguments='{"city": "Par', attempt=1),
@@ -66,8 +69,9 @@ def test_text_is_on_every_kind_but_the_tool_kinds_and_arguments_never_mix_with_i
 
 
 def test_joining_text_gives_the_content_and_never_a_calls_arguments():
-    content = "".join(e.text for e in SAMPLES)
+    content = "".join(e.text for e in SAMPLES if e.choice is None)
     assert content == "atail"
+    assert "".join(e.text for e in SAMPLES if e.choice is not None) == "b!"  # choices' texts: their own
     args = "".join(e.arguments for e in SAMPLES if e.type == "tool_args" and e.call_index == 0)
     assert args == '{"city": "Par'
 

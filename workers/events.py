@@ -4,19 +4,27 @@ and both backends). No I/O here, and no redis, celery or torch: plain data in, p
 
 Kinds, and the fields each carries (in Redis every value is a string; lists are JSON):
 
-    token       index (position of its first token in the output), attempt, token_ids, text
-                (the content it adds: for a tool job, text outside the calls), logprobs?
+    token       index (position of its first token in its choice's output), attempt, token_ids,
+                text (the content it adds: for a tool job, text outside the calls), logprobs?,
+                choice? (n > 1: which choice; absent for a job of one)
+    prompt      token_ids (the prompt's), logprobs (one entry per prompt token: the first's
+                logprob is null and its top empty, nothing predicts it): a job that asks
+                prompt_logprobs, written before any token (none follow for max_tokens=0)
     restarted   attempt, resumed_from (tokens the earlier attempts streamed), worker
     tool_call   call_index, call_id, name: a tool call opens (OpenAI's first delta of a call)
     tool_args   call_index, arguments: the next fragment of that call's arguments (JSON text)
-    done        text (trailing), finish_reason, num_tokens, stop_reason?
+    choice_end  choice, text (trailing), finish_reason, stop_reason?, num_tokens (the choice's):
+                n > 1, once per choice, when it ends (best_of > n: the n kept, best first)
+    done        text (trailing), finish_reason, num_tokens (every choice's), stop_reason?
+                (n > 1: choice 0's reasons; the choices' own ends came before)
     failed      text, finish_reason, error, num_tokens, field?, code? (a FieldError's data)
     cancelled   finish_reason, num_tokens
 
 `text` is present, "" or not, on every kind but the tool kinds, whatever wrote the event:
-joining the `text` of a job's events gives its content, and never a call's arguments. The
-token, restarted and final entries are written by the Lua scripts (workers/lua.py), the tool
-entries by the store; `to_fields` writes what those scripts write, so the two agree (tests).
+joining the `text` of a choice's events gives its content, and never a call's arguments. The
+token, restarted and final entries are written by the Lua scripts (workers/lua.py), the
+appended kinds (tool, prompt, choice_end) by lua_events.APPEND; `to_fields` writes what those
+scripts write, so the two agree (tests).
 """
 
 from __future__ import annotations
@@ -26,11 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TOKEN, RESTARTED, TOOL_CALL, TOOL_ARGS = "token", "restarted", "tool_call", "tool_args"
+PROMPT, CHOICE_END = "prompt", "choice_end"
 DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
 FINAL = (DONE, FAILED, CANCELLED)
 TOOL_KINDS = (TOOL_CALL, TOOL_ARGS)
-KINDS = (TOKEN, RESTARTED, *TOOL_KINDS, *FINAL)
-_INTS = ("index", "attempt", "resumed_from", "num_tokens", "call_index")
+APPENDED = (*TOOL_KINDS, PROMPT, CHOICE_END)  # written by lua_events.APPEND, one seq per job
+KINDS = (TOKEN, RESTARTED, PROMPT, CHOICE_END, *TOOL_KINDS, *FINAL)
+_INTS = ("index", "attempt", "resumed_from", "num_tokens", "call_index", "choice")
 _STRINGS = ("finish_reason", "error", "worker", "call_id", "name", "field", "code", "job_id")
 
 
@@ -41,6 +51,7 @@ class JobEvent:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] | None = None  # contract B, aligned with token_ids, when the job asked
     index: int | None = None
+    choice: int | None = None  # n > 1: the choice a token or choice_end event is of (None: 0, alone)
     attempt: int | None = None
     resumed_from: int | None = None
     num_tokens: int | None = None

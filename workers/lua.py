@@ -4,8 +4,9 @@ one script, so a client, a worker and a reaper racing on one job see it in one s
 Keys (P = "tandem:"):
 
     P job:{id}           hash: task, queue, digest, message, state, attempt, owner, token, seq,
-                         ttl, timestamps, num_tokens, max_tokens, prompt_token_ids, error
-    P events:{id}        stream: token / restarted / done / failed / cancelled events
+                         ttl, timestamps, num_tokens (n > 1: and num_tokens.<k> per choice),
+                         num_appended, max_tokens, prompt_token_ids, error
+    P events:{id}        stream: the job's events (workers/events.py)
     P end:{id}           stream: one entry once the job is final, with its result or error
                          (what result() blocks on: it returns whenever it is called)
     P queued:{queue}     zset: queued job ids by submission order (queue positions)
@@ -154,15 +155,20 @@ return claimed()
 """
 )
 
-# ARGV: prefix, id, token, start, count, token_ids_json, text, prompt_ids_json|'', now, maxlen, logprobs_json|''
+# ARGV: prefix, id, token, start, count, token_ids_json, text, prompt_ids_json|'', now, maxlen, logprobs_json|'',
+#       choice|''
 # -> 1 written (or already written by a retry of this call), 0 fenced out, -1 out of order
+# `start` counts in the choice's own output: a job of n > 1 choices keeps one count per choice
+# (num_tokens.<k>) beside num_tokens, their sum; a job of one choice ('') keeps num_tokens alone.
 EMIT = (
     _PRELUDE
     + r"""
 local id, token = ARGV[2], ARGV[3]
 local job = jobkey(id)
 if redis.call('HGET', job, 'token') ~= token or redis.call('HGET', job, 'state') ~= 'running' then return 0 end
-local have = tonumber(redis.call('HGET', job, 'num_tokens'))
+local choice = ARGV[12] or ''
+local counter = choice == '' and 'num_tokens' or ('num_tokens.' .. choice)
+local have = tonumber(redis.call('HGET', job, counter) or '0')
 local start, count = tonumber(ARGV[4]), tonumber(ARGV[5])
 if have >= start + count then return 1 end
 if have ~= start then return -1 end
@@ -172,9 +178,15 @@ if ARGV[11] and ARGV[11] ~= '' then
   table.insert(fields, 'logprobs')  -- a JSON list aligned with token_ids (the job asked for them)
   table.insert(fields, ARGV[11])
 end
+if choice ~= '' then
+  table.insert(fields, 'choice')
+  table.insert(fields, choice)
+end
 redis.call('XADD', eventskey(id), 'MAXLEN', '~', ARGV[10], '*', unpack(fields))
-redis.call('HSET', job, 'num_tokens', start + count)
-if have == 0 then redis.call('HSET', job, 'first_token_at', ARGV[9]) end
+local total = tonumber(redis.call('HGET', job, 'num_tokens'))
+redis.call('HSET', job, counter, start + count)
+if choice ~= '' then redis.call('HSET', job, 'num_tokens', total + count) end
+if total == 0 then redis.call('HSET', job, 'first_token_at', ARGV[9]) end
 if ARGV[8] ~= '' then redis.call('HSET', job, 'prompt_token_ids', ARGV[8]) end
 return 1
 """

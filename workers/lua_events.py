@@ -1,5 +1,6 @@
-"""APPEND: the script that writes a job's events that are neither tokens nor its end (a tool
-job's tool_call and tool_args entries, workers/events.py), fenced and idempotent as EMIT is.
+"""APPEND: the script that writes a job's events that are neither tokens nor its end (events.py's
+APPENDED kinds: a tool job's tool_call and tool_args, a prompt's logprobs, an n > 1 job's
+choice_end entries), fenced and idempotent as EMIT is.
 
 It changes no state of the job's machine (lua.py), only adds to its stream: so it sits beside
 lua.py, not inside it (lua.py had another owner when tool calls came; it may well move there).

@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from workers import lua
-from workers.events import TOKEN, TOOL_KINDS, JobEvent
+from workers.events import APPENDED, TOKEN, JobEvent
 from workers.lua_events import APPEND
 from workers.message import broker_list, broker_lists, task_message
 from workers.retry import Backoff, retry
@@ -300,7 +300,9 @@ class JobStore:
         prompt_token_ids: list[int] | None,
         at: float | None = None,
         logprobs: list[dict] | None = None,
+        choice: int | None = None,
     ) -> list:
+        """ARGV of lua.EMIT: `start` counts in choice `choice`'s output (None: a job of one)."""
         prompt = json.dumps(prompt_token_ids) if prompt_token_ids is not None else ""
         return [
             PREFIX,
@@ -314,6 +316,7 @@ class JobStore:
             self.clock() if at is None else at,
             self.settings.stream_maxlen,
             json.dumps(logprobs) if logprobs is not None else "",
+            "" if choice is None else str(choice),
         ]
 
     def finish_args(
@@ -344,9 +347,10 @@ class JobStore:
         ]
 
     def append_args(self, job_id: str, token: str, seq: int, event: JobEvent) -> list:
-        """ARGV of lua_events.APPEND: the job's `seq`-th appended event (0, 1, ...), a tool kind."""
-        if event.type not in TOOL_KINDS:
-            raise ValueError(f"only {TOOL_KINDS} events are appended; tokens and ends have scripts of their own")
+        """ARGV of lua_events.APPEND: the job's `seq`-th appended event (0, 1, ...), of an
+        APPENDED kind (tool, prompt, choice_end)."""
+        if event.type not in APPENDED:
+            raise ValueError(f"only {APPENDED} events are appended; tokens and ends have scripts of their own")
         pairs = [x for kv in event.to_fields().items() for x in kv]
         return [PREFIX, job_id, token, seq, self.settings.stream_maxlen, *pairs]
 

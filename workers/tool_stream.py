@@ -107,7 +107,16 @@ class ToolJob:
 
     def check_params(self, params) -> None:
         """A grammar of the request's own (response_format and the like) cannot share the
-        output with the tools': refused unless tool_choice is none."""
+        output with the tools': refused unless tool_choice is none. A tool job makes one choice:
+        its stream is one parser's over one text (n > 1 with tools is refused, not run as n=1)."""
+        if params.num_choices > 1:
+            name = "n" if params.n > 1 else "best_of"
+            raise FieldError(
+                name,
+                f"{name} must be 1 for a tool job (tools offered, or tool turns in messages): its calls are parsed "
+                f"from one choice's text; send n requests for n answers",
+                errors.CONFLICT,
+            )
         offered = self.request is not None and self.request.tool_choice != "none"
         if offered and params.structured_outputs is not None:
             raise FieldError(

@@ -40,6 +40,7 @@ class _Emit:
     prompt_token_ids: list[int] | None
     at: float  # when the tokens came (time.time()), not when they are written
     logprobs: list[dict] | None = None  # aligned with token_ids, when the job asked for them
+    choice: int | None = None  # n > 1: the choice; `start` counts in its output
 
 
 @dataclass(slots=True)
@@ -71,12 +72,13 @@ class EventWriter:
         text: str,
         prompt_token_ids: list[int] | None = None,
         logprobs: list[dict] | None = None,
+        choice: int | None = None,
     ) -> None:
         lp = list(logprobs) if logprobs is not None else None
-        self._queue.put(_Emit(job, start, list(token_ids), text, prompt_token_ids, time.time(), lp))
+        self._queue.put(_Emit(job, start, list(token_ids), text, prompt_token_ids, time.time(), lp, choice))
 
     def append(self, job, seq: int, event) -> None:
-        """Write a tool_call / tool_args JobEvent after the job's tokens queued so far."""
+        """Write an appended JobEvent (tool, prompt, choice_end) after the job's tokens queued so far."""
         self._queue.put(_Append(job, seq, event))
 
     def finish(
@@ -130,6 +132,7 @@ class EventWriter:
                     item.prompt_token_ids,
                     item.at,
                     item.logprobs,
+                    item.choice,
                 )
                 calls.append(("emit", args))
             elif isinstance(item, _Append):
@@ -165,13 +168,15 @@ class EventWriter:
 
 
 def _merge(batch: list) -> list:
-    """Join consecutive token events of one job (what one stream event carries grows, the
-    number of events and scripts shrinks)."""
+    """Join consecutive token events of one job's choice (what one stream event carries grows,
+    the number of events and scripts shrinks). Another choice's tokens between them do not
+    stop the join (their order across choices means nothing); any other event of the job does."""
     out: list = []
-    last: dict[str, _Emit] = {}
+    last: dict[tuple[str, int | None], _Emit] = {}
     for item in batch:
         if isinstance(item, _Emit):
-            prev = last.get(item.job.job_id)
+            key = (item.job.job_id, item.choice)
+            prev = last.get(key)
             mergeable = prev is not None and prev.job is item.job and prev.start + len(prev.token_ids) == item.start
             if mergeable and (prev.logprobs is None) == (item.logprobs is None):
                 prev.token_ids.extend(item.token_ids)
@@ -179,8 +184,9 @@ def _merge(batch: list) -> list:
                 if prev.logprobs is not None:
                     prev.logprobs.extend(item.logprobs)
                 continue
-            last[item.job.job_id] = item
+            last[key] = item
         else:
-            last.pop(item.job.job_id, None)
+            for key in [k for k in last if k[0] == item.job.job_id]:
+                del last[key]
         out.append(item)
     return out
