@@ -13,7 +13,11 @@ _STR = {"type": "string"}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 _SAMPLING = {
-    "max_tokens": {"type": "integer", "minimum": 1},
+    "max_tokens": {
+        "type": "integer",
+        "minimum": 0,
+        "description": "0 scores the prompt: with echo, or prompt_logprobs",
+    },
     "temperature": {"type": "number", "minimum": 0},
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "top_k": {"type": "integer", "minimum": -1},
@@ -33,7 +37,18 @@ _SAMPLING = {
 _OPENAI = {
     "model": {"type": "string", "minLength": 1},
     "n": {"type": "integer", "minimum": 1, "maximum": 16},
-    "best_of": {"type": "integer", "minimum": 1, "maximum": 16, "description": "equal to n, if given"},
+    "best_of": {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 16,
+        "description": "at least n: the n of highest cumulative logprob are returned (not with stream)",
+    },
+    "prompt_logprobs": {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": 20,
+        "description": "vLLM's: each prompt token's logprob and k alternatives (not with stream)",
+    },
     "stream": _BOOL,
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}, "additionalProperties": False},
     "request_timeout": {"type": "number", "exclusiveMinimum": 0},
@@ -148,7 +163,7 @@ SCHEMAS: dict[str, dict] = {
         "type": "object",
         "properties": {
             "messages": _MESSAGES,
-            "max_completion_tokens": {"type": "integer", "minimum": 1},
+            "max_completion_tokens": {"type": "integer", "minimum": 0, "description": "0 only with prompt_logprobs"},
             "logprobs": _BOOL,
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
             **_TOOLS,

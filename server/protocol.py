@@ -3,8 +3,9 @@ No FastAPI, Redis or torch here: plain dicts in, plain dicts out, so the checks 
 their own.
 
 A request becomes a `Generation`: what to run (a prompt, token ids or chat messages), the job
-keyword arguments the workers take (SamplingParams fields, priority, chat's tools), and how to
-answer (n choices, echo, logprobs, stream or not, usage in the stream). Every refusal is an
+keyword arguments the workers take (SamplingParams fields, n and best_of, prompt_logprobs,
+priority, chat's tools), and how to answer (n choices, echo, logprobs, stream or not, usage in
+the stream). One job whatever n: the engine forks the choices from one prefill. Every refusal is an
 `APIError` naming the field, with the HTTP status OpenAI's API would give. The job API
 (/v1/jobs) runs `check_job` too, so that both front doors refuse the same inputs.
 """
@@ -12,7 +13,6 @@ answer (n choices, echo, logprobs, stream or not, usage in the stream). Every re
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import re
 import time
@@ -26,7 +26,7 @@ from server.http_errors import APIError  # the shape serve and streams share (pr
 from workers.jobspec import check_chat_messages
 from workers.tool_stream import TOOL_FIELDS, ToolJob, has_tool_turns
 
-MAX_N = 16  # choices per request: each is its own job, so n multiplies the load
+MAX_N = 16  # choices per request (best_of too): one prefill, but each choice its own KV and steps
 MAX_LOGPROBS = 20  # vLLM's cap (OpenAI's is 5 for completions, 20 for chat)
 # No tokenizer we serve has tokens longer than this many UTF-8 bytes, so a prompt with more than
 # max_model_len * this many bytes is too long for the context whatever it says, and is refused
@@ -117,8 +117,9 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     timeout_s: float | None = None  # this request's own limit (else the server's)
-    n: int = 1  # choices, one job each
-    echo: bool = False  # completions: the prompt's text before each choice's text
+    n: int = 1  # choices, all of one job
+    echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
+    prompt_logprobs: int | None = None  # vLLM's extra, as asked: the answer's prompt_logprobs, k alternatives
     max_tokens_name: str = "max_tokens"  # what the request called it (chat: max_completion_tokens too)
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
@@ -130,13 +131,6 @@ class Generation:
     @property
     def logprobs(self) -> int | None:
         return self.job.get("logprobs")
-
-    def choice_job(self, index: int) -> dict:
-        """Choice `index`'s job: the request's, with its own seed when the request has one."""
-        job = dict(self.job)
-        if job.get("seed") is not None:
-            job["seed"] = choice_seed(job["seed"], index)
-        return job
 
     @property
     def tools(self) -> bool:
@@ -157,16 +151,6 @@ def _message_bytes(m: dict) -> int:
     for call in m.get("tool_calls") or ():
         size += len(call["function"]["arguments"].encode("utf-8", "surrogatepass"))
     return size
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """The seed of choice `index` of a request seeded with `seed`: choice 0 keeps it (n=1 and n=2
-    agree on their first choice); the others take 63 bits of sha256("seed:index"). A hash, not
-    seed + index: the sampler's row_seed is affine in the seed, so nearby seeds would give
-    choices whose random streams are shifted copies of each other."""
-    if index == 0:
-        return seed
-    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
 def _is_int(v: Any) -> bool:
@@ -322,8 +306,9 @@ def _logprobs(body: dict, kind: str) -> int | None:
     return (k or 0) if on else None
 
 
-def _common(body: dict, kind: str) -> tuple[dict, bool, bool, float | None, int]:
-    """Sampling fields, priority, n, stream flags and timeout shared by both endpoints."""
+def _common(body: dict, kind: str, echo: bool = False) -> tuple[dict, bool, bool, float | None, int]:
+    """Sampling fields, priority, n and best_of, prompt logprobs, stream flags and timeout shared
+    by both endpoints. `echo` (completions): the prompt's logprobs go before the choice's."""
     defaults = {**_ONLY_DEFAULT, **(_ONLY_DEFAULT_CHAT if kind == "chat" else {})}
     for name, allowed in defaults.items():
         value = body.get(name)
@@ -338,7 +323,7 @@ def _common(body: dict, kind: str) -> tuple[dict, bool, bool, float | None, int]
     mt_name = (
         "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    if "max_tokens" in job and (not _is_int(job["max_tokens"]) or job["max_tokens"] < 1):
+    if "max_tokens" in job and (not _is_int(job["max_tokens"]) or job["max_tokens"] < 0):
         raise bad(mt_name, f"{mt_name} must be an integer >= 1, got {clip(job['max_tokens'])}")
     if "temperature" in job and (not _is_finite(job["temperature"]) or job["temperature"] < 0):
         raise bad("temperature", f"temperature must be a number >= 0 (0 = greedy), got {clip(job['temperature'])}")
@@ -346,9 +331,11 @@ def _common(body: dict, kind: str) -> tuple[dict, bool, bool, float | None, int]
         raise bad("top_p", f"top_p must be a number in (0, 1], got {clip(job['top_p'])}")
     if isinstance(job.get("stop"), str):
         job["stop"] = [job["stop"]]
+    stream = body.get("stream", False)
     k = _logprobs(body, kind)
     if k is not None:
         job["logprobs"] = k
+    _prompt_logprobs(body, job, k, echo, bool(stream), mt_name)
     structured, source = _structured(body)
     if structured is not None:
         job["structured_outputs"] = structured
@@ -357,10 +344,14 @@ def _common(body: dict, kind: str) -> tuple[dict, bool, bool, float | None, int]
         raise bad("n", f"n must be an integer in [1, {MAX_N}], got {clip(n)}")
     n = n or 1
     best_of = body.get("best_of")
-    if best_of is not None and (not _is_int(best_of) or best_of != n):
-        raise bad(
-            "best_of", f"best_of must equal n ({n}) or be absent (ranking candidates is not built), got {clip(best_of)}"
-        )
+    if best_of is not None and (not _is_int(best_of) or not n <= best_of <= MAX_N):
+        raise bad("best_of", f"best_of must be an integer in [n={n}, {MAX_N}], got {clip(best_of)}")
+    if best_of is not None and best_of > n and stream is True:
+        raise bad("best_of", "best_of > n cannot stream (which choices are kept is known at the end); set stream false")
+    if n > 1:
+        job["n"] = n
+    if best_of is not None and best_of > n:
+        job["best_of"] = best_of
     priority = body.get("priority")
     if priority is not None:
         if not _is_int(priority):
@@ -368,7 +359,6 @@ def _common(body: dict, kind: str) -> tuple[dict, bool, bool, float | None, int]
         if priority:
             job["priority"] = priority
     check_job(job, {"structured_outputs": source} if source else None)
-    stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise bad("stream", f"stream must be a boolean, got {clip(stream)}")
     options = body.get("stream_options")
@@ -387,6 +377,31 @@ def _common(body: dict, kind: str) -> tuple[dict, bool, bool, float | None, int]
     if timeout is not None and (not _is_finite(timeout) or timeout <= 0):
         raise bad("request_timeout", f"request_timeout must be a number of seconds > 0, got {clip(timeout)}")
     return job, bool(stream), include_usage, timeout, n
+
+
+def _prompt_logprobs(body: dict, job: dict, k: int | None, echo: bool, stream: bool, mt_name: str) -> None:
+    """The job's prompt_logprobs: vLLM's extra (k alternatives per prompt token; not streamed, as
+    vLLM), and echo with logprobs (the echoed prompt's tokens carry theirs): the larger k, each
+    answer cut to its own. max_tokens 0 scores the prompt: it needs one of them (echo alone asks
+    the prompt computed, for its token count)."""
+    asked = body.get("prompt_logprobs")
+    if asked is not None:
+        if not _is_int(asked) or not 0 <= asked <= MAX_LOGPROBS:
+            raise bad(
+                "prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {clip(asked)}"
+            )
+        if stream:
+            raise bad("prompt_logprobs", "prompt_logprobs cannot be streamed (as in vLLM); set stream false")
+        job["prompt_logprobs"] = asked
+    if echo and k is not None:
+        job["prompt_logprobs"] = max(k, job.get("prompt_logprobs", 0))
+    if job.get("max_tokens") == 0 and "prompt_logprobs" not in job:
+        if not echo:
+            raise bad(
+                mt_name,
+                f"{mt_name} must be an integer >= 1, or 0 to score a prompt (with echo, or prompt_logprobs), got 0",
+            )
+        job["prompt_logprobs"] = 0
 
 
 def _model(body: dict) -> str | None:
@@ -410,7 +425,17 @@ _COMMON_FIELDS = (
     | _IGNORED
     | set(_SAMPLING)
     | set(_STRUCTURED_SOURCES)
-    | {"priority", "n", "best_of", "logprobs", "stream", "stream_options", "model", "request_timeout"}
+    | {
+        "priority",
+        "n",
+        "best_of",
+        "logprobs",
+        "prompt_logprobs",
+        "stream",
+        "stream_options",
+        "model",
+        "request_timeout",
+    }
 )
 
 
@@ -436,13 +461,13 @@ def parse_completion(body: Any) -> Generation:
         raise bad("echo", f"echo must be true or false, got {clip(echo)}")
     if echo and not isinstance(prompt, str):
         raise bad("echo", "echo needs a text prompt (this server does not decode token ids)")
-    if echo and body.get("logprobs") is not None:
-        raise bad("echo", "echo with logprobs is not supported (prompt logprobs are not built)")
     if isinstance(prompt, list) and any(t >= _INT64 for t in prompt):
         raise bad("prompt", "prompt token ids must fit in 64 bits")
-    job, stream, include_usage, timeout, n = _common(body, "completion")
+    job, stream, include_usage, timeout, n = _common(body, "completion", bool(echo))
     job["prompt"] = prompt
-    return Generation("completion", _model(body), job, stream, include_usage, timeout, n, bool(echo))
+    gen = Generation("completion", _model(body), job, stream, include_usage, timeout, n, bool(echo))
+    gen.prompt_logprobs = body.get("prompt_logprobs")
+    return gen
 
 
 def _content(i: int, content: Any) -> str:
@@ -481,6 +506,14 @@ def parse_chat(body: Any) -> Generation:
     job.update(_tools(body, _structured(body)[1]))
     job["messages"] = clean
     gen = Generation("chat", _model(body), job, stream, include_usage, timeout, n)
+    gen.prompt_logprobs = body.get("prompt_logprobs")
+    if gen.tools and (n > 1 or "best_of" in job):
+        name = "n" if n > 1 else "best_of"
+        raise bad(
+            name,
+            f"{name} must be 1 with tools (or tool turns in messages): a tool answer's calls are parsed from "
+            "one choice's text; send n requests for n answers",
+        )
     if body.get("max_completion_tokens") is not None:
         gen.max_tokens_name = "max_completion_tokens"
     return gen

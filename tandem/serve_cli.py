@@ -89,7 +89,8 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 def build_backend(args: argparse.Namespace):
     """The backend the flags ask for (loads the Runtime when --embedded)."""
-    from server.backends import EmbeddedBackend, JobsBackend
+    from server.backends import JobsBackend
+    from server.embedded import EmbeddedBackend
     from workers.settings import JobSettings
 
     overrides = {"redis_url": args.redis_url}

@@ -75,7 +75,7 @@ def test_a_job_streams_logprobs_aligned_with_its_tokens_and_ends_with_its_stop_r
 
 def test_the_embedded_backend_yields_the_same_event_shape(tiny_llama_dir, reference):
     from runtime.runtime import Runtime
-    from server.backends import EmbeddedBackend
+    from server.embedded import EmbeddedBackend
     from server.protocol import Generation
 
     ids, logprobs, stop_id = reference

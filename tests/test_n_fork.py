@@ -185,12 +185,6 @@ def test_streamed_choices_carry_their_index_and_deltas(llm):
     assert_pool_whole(engine)
 
 
-def test_choice_seeds_are_the_servers(llm):
-    from server import protocol
-
-    assert [choice_seed(7, k) for k in range(5)] == [protocol.choice_seed(7, k) for k in range(5)]
-
-
 @pytest.mark.parametrize(
     "kwargs, field",
     [(dict(n=0), "n"), (dict(n=3, best_of=2), "best_of"), (dict(n=9), "n"), (dict(best_of=9), "best_of")],

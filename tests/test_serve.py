@@ -369,8 +369,9 @@ BAD_COMPLETIONS = [
     ("prompt", {"prompt": 5}),
     ("prompt", {"prompt": ""}),
     ("n", {"n": 17}),
-    ("best_of", {"n": 2, "best_of": 3}),
-    ("echo", {"echo": True, "logprobs": 1}),
+    ("best_of", {"n": 3, "best_of": 2}),
+    ("echo", {"prompt": [1, 2, 3], "echo": True}),
+    ("prompt_logprobs", {"stream": True, "extra_body": {"prompt_logprobs": 1}}),
     ("stop", {"stop": 5}),
     ("seed", {"seed": "x"}),
     ("min_tokens", {"extra_body": {"min_tokens": 9}}),  # more than max_tokens

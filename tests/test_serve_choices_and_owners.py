@@ -1,7 +1,7 @@
 """`tandem serve` where it went wrong before, each pinned by a test: a stream whose job's events
 can no longer be read ends at once with an error naming the job; the OpenAI endpoints' jobs
-belong to the caller's key; /health?model= takes the served name; n choices' usage counts every
-choice. Fake backends for the HTTP layer; a real Redis for ownership."""
+belong to the caller's key; /health?model= takes the served name; n choices' usage is their one
+job's (the prompt once). Fake backends for the HTTP layer; a real Redis for ownership."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from workers.store import PREFIX, JobStore
 
 
 class _Stream:
-    """One choice's job: `events` given as a list; an exception in the list is raised there."""
+    """One job: `events` given as a list; an exception in the list is raised there."""
 
     def __init__(self, job_id: str, events: list, use: dict) -> None:
         self.id, self._events, self._use = job_id, events, use
@@ -44,7 +44,7 @@ class _Stream:
 
 
 class _Backend:
-    """A backend whose choice i runs script(i): what the completions route does with it."""
+    """A backend whose i-th job runs script(i): what the completions route does with it."""
 
     mode = "jobs"
 
@@ -87,16 +87,14 @@ def _data(body: str) -> list:
     return [line[6:] for line in body.splitlines() if line.startswith("data: ")]
 
 
-@pytest.mark.parametrize("exc", [APIError(404, "job job-1 does not exist (or expired)", "job_id"), OSError("ro")])
-def test_a_choice_whose_events_fail_mid_stream_ends_the_stream_at_once_naming_its_job(exc):
-    """n=2, streamed: choice 1's events raise after its first token (its key gone after a Redis
-    restart without AOF, a ReadOnlyError after a failover). The stream ends at once with an
-    error naming job-1 and [DONE], not keep-alives until the request's timeout."""
+@pytest.mark.parametrize("exc", [APIError(404, "job job-0 does not exist (or expired)", "job_id"), OSError("ro")])
+def test_a_job_whose_events_fail_mid_stream_ends_the_stream_at_once_naming_it(exc):
+    """n=2, streamed (one job): its events raise after each choice's first token (its key gone
+    after a Redis restart without AOF, a ReadOnlyError after a failover). The stream ends at once
+    with an error naming job-0 and [DONE], not keep-alives until the request's timeout."""
 
     def script(i):
-        if i == 0:
-            return [_token("a"), _done("b")], {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-        return [_token("x"), exc], {}
+        return [_token("a"), JobEvent("token", "x", [1], choice=1), exc], {}
 
     backend = _Backend(script)
     config = ServeConfig(request_timeout_s=5, keepalive_s=0.2)
@@ -108,20 +106,26 @@ def test_a_choice_whose_events_fail_mid_stream_ends_the_stream_at_once_naming_it
     assert resp.status_code == 200, resp.text
     data = _data(resp.text)
     assert data[-1] == "[DONE]", data
+    assert [json.loads(d)["choices"][0]["index"] for d in data[:2]] == [0, 1]
     err = json.loads(data[-2])["error"]
-    assert "job-1" in err["message"] and "504" not in str(err["code"]), err
+    assert "job-0" in err["message"] and "504" not in str(err["code"]), err
     assert took < 3, took  # at once, not at the 5 s request timeout
-    assert all(s.cancelled for s in backend.streams if s.id == "job-1")
+    assert len(backend.streams) == 1 and backend.streams[0].cancelled
 
 
-def test_n_choices_usage_counts_every_choice_even_when_one_reports_none():
-    a = responses.usage(3, 2)
-    assert responses.merged_usage([a, responses.usage(3, 4)]) == responses.usage(3, 6)
-    # choice 1 reported nothing (its result unread): the others still count, not choice 0 alone
-    assert responses.merged_usage([a, {}, responses.usage(3, 5)]) == responses.usage(3, 7)
-    assert responses.merged_usage([{}, a]) == responses.usage(3, 2)
-    assert responses.merged_usage([{}, {}]) == {}
-    assert responses.merged_usage([]) == {}
+def test_n_choices_usage_is_the_jobs_own_prompt_once_every_choice_counted():
+    use = responses.usage(3, 6)  # what the worker's result says: 3 prompt tokens, two choices of 3
+
+    def script(i):
+        events = [_token("a"), JobEvent("token", "x", [1], choice=1)]
+        ends = [JobEvent("choice_end", "", choice=k, finish_reason="length") for k in (0, 1)]
+        return [*events, *ends, _done()], use
+
+    backend = _Backend(script)
+    with TestClient(create_app(backend)) as client:
+        resp = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "n": 2})
+    assert resp.status_code == 200 and resp.json()["usage"] == use, resp.text
+    assert [c["text"] for c in resp.json()["choices"]] == ["a", "x"] and len(backend.streams) == 1
 
 
 def test_health_takes_the_served_model_name():

@@ -37,7 +37,9 @@ def _param(fn, body) -> str:
         ("priority", 1.5),
         ("n", 0),
         ("n", 17),
-        ("best_of", 3),
+        ("best_of", 0),
+        ("best_of", 17),
+        ("prompt_logprobs", 21),
         ("logprobs", 21),
         ("logprobs", True),
         ("echo", "yes"),
@@ -383,14 +385,15 @@ def test_a_job_with_no_llm_worker_up_waits_on_the_llm_queue_unless_it_names_a_mo
         assert client.post("/v1/jobs", json={"prompt": "hi", "model": "smol"}).status_code == 404
 
 
-def test_choice_seeds_keep_choice_0_and_differ_for_the_others():
-    assert protocol.choice_seed(7, 0) == 7
-    seeds = {protocol.choice_seed(7, i) for i in range(16)} | {protocol.choice_seed(8, i) for i in range(1, 16)}
-    assert len(seeds) == 31 and all(0 <= s < 1 << 63 for s in seeds)
+def test_n_choices_are_one_job_that_carries_n_and_best_of():
+    """The engine forks the choices (one prefill) and derives their seeds
+    (runtime.llm.sampling_params.choice_seed): the server keeps no copy of the derivation."""
     gen = protocol.parse_completion({"prompt": "x", "n": 3, "seed": 7})
-    assert [gen.choice_job(i)["seed"] for i in range(3)] == [protocol.choice_seed(7, i) for i in range(3)]
-    unseeded = protocol.parse_completion({"prompt": "x", "n": 3})
-    assert all("seed" not in unseeded.choice_job(i) for i in range(3))  # unseeded stays unseeded
+    assert (gen.n, gen.job["n"], gen.job["seed"]) == (3, 3, 7) and "best_of" not in gen.job
+    ranked = protocol.parse_completion({"prompt": "x", "n": 2, "best_of": 4})
+    assert (ranked.job["n"], ranked.job["best_of"]) == (2, 4)
+    assert "n" not in protocol.parse_completion({"prompt": "x", "best_of": 1}).job  # best_of == n: nothing to rank
+    assert not hasattr(protocol, "choice_seed")
 
 
 def _entry(token: str, logprob: float, top: list[tuple[str, float]]) -> dict:

@@ -4,10 +4,11 @@ backend runs them. A chat answer's tool calls come as the job's tool_call / tool
 (workers/events.py), parsed where the model ran: message.tool_calls, or delta.tool_calls
 entries as they stream.
 
-n choices are n jobs, each with its own seed (protocol.choice_seed), run at once and merged:
-the answer lists them by index, a stream interleaves their chunks (each names its choice), and
-usage counts the prompt once. A client that goes away, a deadline, or one choice failing
-cancels them all.
+n choices are one job (the engine forks them from one prefill; best_of > n keeps the n of
+highest cumulative logprob): its token events name their choice, each choice ends with a
+choice_end event, and the answer lists the choices by index, or a stream sends each choice's
+chunks under its index. Usage is the job's: the prompt once, every choice's tokens. echo puts
+the prompt's text (and with logprobs, the prompt event's logprobs) before each choice's.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from server.common import (
 )
 from server.protocol import APIError, Generation
 from server.routes.models import resolve_model
-from workers.events import CANCELLED, DONE, FAILED, TOOL_KINDS, JobEvent
+from workers.events import CANCELLED, CHOICE_END, DONE, FAILED, PROMPT, TOOL_KINDS, JobEvent
 
 router = APIRouter()
 
@@ -53,13 +54,11 @@ async def chat_completions(request: Request) -> Response:
 
 
 @dataclasses.dataclass(slots=True)
-class Choice:
-    """One choice's job, and how far its answer has come."""
+class Job:
+    """The request's job, and whether its events have ended."""
 
-    index: int
     stream: object  # backends.Stream
     events: AsyncIterator[JobEvent]
-    text_offset: int = 0  # characters sent so far (the completions API's text_offset)
     done: bool = False
 
 
@@ -95,101 +94,90 @@ async def run(gen: Generation, request: Request) -> Response:
     timeout = ctx.timeout_of(gen)
     deadline = time.monotonic() + timeout
     owner = owner_of(request)  # contract G: with several API keys, this key's jobs are its own
-    choices: list[Choice] = []
-    firsts: list[asyncio.Future] = []
+    job: Job | None = None
+    first: asyncio.Future | None = None
     try:
-        for i in range(gen.n):
-            stream = await ctx.backend.generate(dataclasses.replace(gen, job=gen.choice_job(i)), timeout, owner=owner)
-            choices.append(Choice(i, stream, stream.events()))
-            firsts.append(asyncio.ensure_future(_next(choices[-1])))
+        stream = await ctx.backend.generate(gen, timeout, owner=owner)
+        job = Job(stream, stream.events())
+        first = asyncio.ensure_future(_next(job))
         # A refusal (a prompt too long, say) comes at once, and is an HTTP error even for a
-        # stream; a stream whose first token takes longer (a queued job) starts anyway, so that
+        # stream; a stream whose first event takes longer (a queued job) starts anyway, so that
         # it can send keep-alives while it waits, and reports a later failure in the stream.
         wait = min(deadline, time.monotonic() + ctx.config.keepalive_s) if gen.stream else deadline
         try:
-            await within(asyncio.wait(firsts), wait, request)
+            await within(asyncio.wait({first}), wait, request)
         except APIError:
             if not gen.stream or time.monotonic() >= deadline:
                 raise
-        for f in firsts:
-            event = f.result() if f.done() else None
-            if event is not None and event.type in (FAILED, CANCELLED):
-                raise failure(event)
+        event = first.result() if first.done() else None
+        if event is not None and event.type in (FAILED, CANCELLED):
+            raise failure(event)
     except BaseException:
-        for f in firsts:
-            f.cancel()
-        cancel(ctx, choices)
+        if first is not None:
+            first.cancel()
+        cancel(ctx, job)
         raise
     if gen.stream:
         return StreamingResponse(
-            sse(ctx, gen, model, choices, firsts, deadline),
+            sse(ctx, gen, model, job, first, deadline),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:  # one watch over the whole answer: its deadline, and the client still being there
-        answers = await within(
-            asyncio.gather(*(_collect(gen, c, f.result()) for c, f in zip(choices, firsts))), deadline, request
-        )
+        answer = await within(_collect(gen, job, first.result()), deadline, request)
     except BaseException:
-        cancel(ctx, choices)
+        cancel(ctx, job)
         raise
-    use = responses.merged_usage([await x.stream.usage() for x in choices])
-    return JSONResponse(responses.response(gen, model, answers, use))
+    use = await job.stream.usage()
+    return JSONResponse(responses.response(gen, model, answer.to_choices(), use, answer.prompt))
 
 
-def cancel(ctx: ServerContext, choices: list[Choice]) -> None:
-    """Stop the jobs of the choices not done (later: this may run where awaiting is cancelled)."""
-    for c in choices:
-        if not c.done:
-            c.done = True
-            ctx.later(close_stream(c.stream, c.events))
+def cancel(ctx: ServerContext, job: Job | None) -> None:
+    """Stop the job if its events have not ended (later: this may run where awaiting is cancelled)."""
+    if job is not None and not job.done:
+        job.done = True
+        ctx.later(close_stream(job.stream, job.events))
 
 
-async def _next(c: Choice) -> JobEvent:
+async def _next(job: Job) -> JobEvent:
     try:
-        event = await c.events.__anext__()
+        event = await job.events.__anext__()
     except StopAsyncIteration:
         event = JobEvent(FAILED, error="the job ended without a result")
     if event.final:
-        c.done = True
+        job.done = True
     return event
 
 
-async def _collect(gen: Generation, c: Choice, first: JobEvent) -> dict:
-    parts, entries, calls, event = [], [], responses.ToolCalls(), first
+async def _collect(gen: Generation, job: Job, event: JobEvent) -> responses.Answer:
+    answer = responses.Answer(gen)
     while True:
-        if event.type in TOOL_KINDS:
-            calls.add(event)
-        parts.append(event.text)
-        entries.extend(event.logprobs or ())
+        answer.add(event)
         if event.type == DONE:
-            text = (gen.job["prompt"] if gen.echo else "") + "".join(parts)
-            lp = responses.logprobs_of(gen, entries)
-            reason, stop, tool_calls = event.finish_reason, event.stop_reason, calls.to_openai()
-            return responses.choice(gen, c.index, text, reason, stop, lp, tool_calls)
+            return answer
         if event.type in (FAILED, CANCELLED):
             raise failure(event)
-        event = await _next(c)
+        event = await _next(job)
 
 
-async def _pump(c: Choice, first: asyncio.Future, queue: asyncio.Queue) -> None:
-    """Choice c's events into the shared queue, until its final one. A read that fails (the
-    job's key gone after a Redis restart without its AOF: 404; a replica after a failover:
-    ReadOnlyError) ends the choice with a failed event naming the job: nobody awaits this task,
-    and without that event the stream would send keep-alives until the request's timeout."""
+async def _events(job: Job, first: asyncio.Future) -> AsyncIterator[JobEvent]:
+    """The job's events, from its first, until its final one. A read that fails (the job's key
+    gone after a Redis restart without its AOF: 404; a replica after a failover: ReadOnlyError)
+    ends them with a failed event naming the job: without it the stream would send keep-alives
+    until the request's timeout."""
     try:
         event = await first
         while True:
-            await queue.put((c, event))
+            yield event
             if event.final:
                 return
-            event = await _next(c)
-    except Exception as exc:  # noqa: BLE001 - reported in the stream, as the choice's failure
-        await queue.put((c, lost_event(c.stream.id, exc)))
+            event = await _next(job)
+    except Exception as exc:  # noqa: BLE001 - reported in the stream, as the job's failure
+        yield lost_event(job.stream.id, exc)
 
 
 def lost_event(job_id: str, exc: BaseException) -> JobEvent:
-    """The final event of a choice whose events could no longer be read."""
+    """The final event of a job whose events could no longer be read."""
     why = exc.message if isinstance(exc, APIError) else f"{type(exc).__name__}: {exc}"
     return JobEvent(
         FAILED,
@@ -204,74 +192,83 @@ def _retrieve(task: asyncio.Future) -> None:
         task.exception()
 
 
-async def _drain(queue: asyncio.Queue) -> AsyncIterator:
-    while True:
-        yield await queue.get()
+def _chunks(gen: Generation, model: str, answer: responses.Answer, event: JobEvent) -> list[dict]:
+    """The chunks one event makes: a choice's text (and logprobs), its tool call deltas, its end;
+    the echoed prompt of each choice, when its logprobs come (the prompt event)."""
+    chunk = responses.chunk
+    kind = event.type
+    if kind == DONE:  # a job of one: its choice's end (a job of n ended each with choice_end)
+        left = [x for x in answer.choices if not x.ended]
+        answer.add(event)
+        reason, stop = event.finish_reason, event.stop_reason
+        return [chunk(gen, model, event.text, reason, index=x.index, stop_reason=stop) for x in left]
+    c = answer.add(event)
+    if kind == PROMPT:
+        if not (gen.echo and gen.logprobs is not None):
+            return []
+        lp = responses.logprobs_of(gen, answer.prompt)
+        width = sum(len(e["token"]) for e in answer.prompt or ())
+        for x in answer.choices:
+            x.text_offset = width
+        return [chunk(gen, model, answer.echoed(), index=x.index, logprobs=lp) for x in answer.choices]
+    if c is None:
+        return []
+    if kind in TOOL_KINDS:
+        return [chunk(gen, model, None, index=c.index, tool_calls=[responses.tool_call_delta(event)])]
+    lp = responses.logprobs_of(gen, event.logprobs, c.text_offset)
+    c.text_offset += sum(len(e["token"]) for e in event.logprobs or ())
+    if kind == CHOICE_END:
+        return [chunk(gen, model, event.text, event.finish_reason, index=c.index, stop_reason=event.stop_reason)]
+    if event.text or lp:
+        return [chunk(gen, model, event.text, index=c.index, logprobs=lp)]
+    return []
 
 
 async def sse(
     ctx: ServerContext,
     gen: Generation,
     model: str,
-    choices: list[Choice],
-    firsts: list[asyncio.Future],
+    job: Job,
+    first: asyncio.Future,
     deadline: float,
 ) -> AsyncIterator[bytes]:
-    queue: asyncio.Queue = asyncio.Queue()
-    pumps = [asyncio.ensure_future(_pump(c, f, queue)) for c, f in zip(choices, firsts)]
+    answer = responses.Answer(gen)
+    events = _events(job, first)
     ended = False  # the answer (or its error) was sent: anything left running is not a disconnect
     try:
-        for c in choices:
+        for x in answer.choices:
             if gen.kind == "chat":
-                yield sse_data(responses.chunk(gen, model, "", index=c.index, role=True))
-            elif gen.echo:
-                yield sse_data(responses.chunk(gen, model, gen.job["prompt"], index=c.index))
-        left = len(choices)
+                yield sse_data(responses.chunk(gen, model, "", index=x.index, role=True))
+            elif gen.echo and gen.logprobs is None:  # with logprobs: when the prompt's come
+                yield sse_data(responses.chunk(gen, model, gen.job["prompt"], index=x.index))
         try:
-            ticks = contextlib.aclosing(ticking(_drain(queue), ctx.config.keepalive_s, deadline))
+            ticks = contextlib.aclosing(ticking(events, ctx.config.keepalive_s, deadline))
             async with ticks as items:
-                async for item in items:
-                    if item is TICK:
+                async for event in items:
+                    if event is TICK:
                         yield KEEPALIVE
                         continue
-                    c, event = item
-                    kind = event.type
-                    if kind in (FAILED, CANCELLED):
+                    if event.type in (FAILED, CANCELLED):
                         ended = True
                         yield sse_data(failure(event).body())
                         break
-                    if kind in TOOL_KINDS:
-                        delta = [responses.tool_call_delta(event)]
-                        yield sse_data(responses.chunk(gen, model, None, index=c.index, tool_calls=delta))
-                        continue
-                    text = event.text
-                    lp = responses.logprobs_of(gen, event.logprobs, c.text_offset)
-                    c.text_offset += sum(len(e["token"]) for e in event.logprobs or ())
-                    if kind == DONE:
-                        c.done = True
-                        left -= 1
-                        reason, stop = event.finish_reason, event.stop_reason
-                        yield sse_data(
-                            responses.chunk(gen, model, text, reason, index=c.index, logprobs=lp, stop_reason=stop)
-                        )
-                        if not left:
-                            ended = True
-                            if gen.include_usage:
-                                use = responses.merged_usage([await x.stream.usage() for x in choices])
-                                yield sse_data(responses.chunk(gen, model, None, use=use, no_choices=True))
-                            break
-                    elif text or lp:
-                        yield sse_data(responses.chunk(gen, model, text, index=c.index, logprobs=lp))
+                    for item in _chunks(gen, model, answer, event):
+                        yield sse_data(item)
+                    if event.type == DONE:
+                        ended = True
+                        if gen.include_usage:
+                            use = await job.stream.usage()
+                            yield sse_data(responses.chunk(gen, model, None, use=use, no_choices=True))
+                        break
         except TimeoutError:
             ended = True
             yield sse_data(APIError(504, f"the request took longer than its {ctx.timeout_of(gen):g} s").body())
         yield b"data: [DONE]\n\n"
     finally:
         # No awaiting here: when the client went away this runs inside a cancelled scope.
-        for p in [*pumps, *firsts]:
-            p.cancel()
-            p.add_done_callback(_retrieve)  # a first that failed is the pump's to report: not logged again
-        running = [c.stream.id for c in choices if not c.done]
-        cancel(ctx, choices)
+        first.cancel()
+        first.add_done_callback(_retrieve)  # a first that failed is the events' to report: not logged again
+        running = job.stream.id if not job.done else None
+        cancel(ctx, job)
         if running and not ended:
-            log.info("client went away mid-stream; cancelled %s", ", ".join(running))
+            log.info("client went away mid-stream; cancelled %s", running)
