@@ -16,8 +16,12 @@ names the format; a format that is not the template's own family is then prompte
 Follow-up turns: assistant messages with `tool_calls` (content may be null) and `role: "tool"`
 messages with `tool_call_id`. A template that renders tools gets them as Hugging Face's chat
 templates take them (arguments as objects, the tool's name beside its result); otherwise the
-assistant turn is its calls' text in the format, and the tool results become one user turn of
-<tool_response> blocks (user: every template accepts it).
+assistant turn is its calls' text in the format, and a tool result is a turn of role "tool"
+where the template writes that role as it is (ChatML's, SmolLM2's), else the results become one
+user turn of <tool_response> blocks (every template takes a user turn). Measured on SmolLM2
+(auto, no grammar, 24 seeds at temperature 1.0, one call and its result in the history): as
+user turns of <tool_response>, the model answered with a <tool_response> of its own a third of
+the time and opened a call once; as tool turns, it opened calls 5 times.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ You can call the functions below. Each is described as JSON within <tools></tool
 
 To call a function, write its name and arguments as one JSON object{where}:
 {example}
-{choice}The result of each call comes back within <tool_response></tool_response>."""
+{choice}The results of your calls come back to you in the next turn."""
 
 _CHOICE_LINES = {
     "auto": "If no function fits, answer in plain text instead.\n",
@@ -214,12 +218,35 @@ def generic_section(syntax: CallSyntax, request: ToolRequest) -> str:
     return GENERIC_PROMPT.format(tools=tools, where=where, example=example, choice=choice)
 
 
+_ROLE_PROBES: dict[tuple[str, str], bool] = {}
+
+
+def _renders_role(tokenizer: Any, role: str) -> bool:
+    """Whether the chat template writes a turn of `role` with its name and content (ChatML's
+    templates write any role; others raise on, or drop, roles they do not know)."""
+    from jinja2 import TemplateError  # transformers' templates are jinja; it raises this
+
+    key = (template_text(tokenizer), role)
+    if key not in _ROLE_PROBES:
+        mark = "\u2063probe\u2063"
+        try:
+            conv = [{"role": "user", "content": "q"}, {"role": role, "content": mark}]
+            text = tokenizer.apply_chat_template(conv, tokenize=False)
+            _ROLE_PROBES[key] = mark in text and role in text.replace(mark, "")
+        except (TemplateError, TypeError, KeyError, ValueError):  # raise_exception, or a template's own error
+            _ROLE_PROBES[key] = False
+    return _ROLE_PROBES[key]
+
+
 def render_generic(tokenizer: Any, msgs: list[dict], syntax: CallSyntax, request: ToolRequest | None) -> str:
     """The prompt for a template without tools: GENERIC_PROMPT added to the system message,
     calls and results as text. `msgs` are normalize_messages' output."""
     conv: list[dict] = []
+    tool_role = _renders_role(tokenizer, "tool")
     for m in msgs:
-        if m["role"] == "tool":
+        if m["role"] == "tool" and tool_role:
+            conv.append({"role": "tool", "content": m["content"]})
+        elif m["role"] == "tool":
             block = f"<tool_response>\n{m['content']}\n</tool_response>"
             if conv and conv[-1].get("_results"):
                 conv[-1]["content"] += "\n" + block

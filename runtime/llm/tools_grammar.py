@@ -1,8 +1,8 @@
 """The grammars that hold a model's tool calls to the offered tools (llguidance's Lark dialect,
 sent as structured_outputs {"grammar": ...} through runtime/llm/structured.py).
 
-Named and `required`: the output is calls and nothing else, one, or several joined by the
-format's separator when parallel_tool_calls is true. Each call's JSON is `%json {schema}`, one
+Named: the output is that one call. `required`: calls and nothing else, one, or several joined
+by the format's separator when parallel_tool_calls is true. Each call's JSON is `%json {schema}`, one
 schema per tool ({"name": {"const": <tool>}, "<args_key>": <its parameters>}), so a call names
 an offered tool and its arguments validate against that tool's schema.
 
@@ -95,7 +95,9 @@ def tool_grammar(syntax: CallSyntax, request: ToolRequest | None, auto_grammar: 
     lines.append("fn: " + " | ".join(f"fn_{i}" for i in range(len(tools))))
     for i, tool in enumerate(tools):
         lines.append(f"fn_{i}: %json {json.dumps(call_schema(tool, syntax.args_key), ensure_ascii=False)}")
-    parallel = request.parallel_tool_calls and syntax.multiple
+    # A named tool_choice asks for that one call (as vLLM's); greedy SmolLM2 otherwise repeats it
+    # until max_tokens.
+    parallel = request.parallel_tool_calls and syntax.multiple and request.tool_choice != "function"
     auto = request.tool_choice == "auto"
     if not syntax.open_tag:
         # Bare JSON calls: one object, or (auto) text whose first non-blank character is not '{'.
