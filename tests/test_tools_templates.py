@@ -188,3 +188,22 @@ def test_random_model_output_parses_under_each_tool_choice(engines, model, choic
             assert len(out.tool_calls) == 1, where
         if choice == "named":
             assert out.tool_calls[0].name == "book_table", where
+
+
+def test_chat_without_tools_is_unchanged_and_tools_refuse_a_second_grammar(engines):
+    from runtime.llm.outputs import RequestOutput
+
+    llm = engines["hermes"]
+    msgs = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    (plain,) = llm.chat(msgs, params)
+    assert type(plain) is RequestOutput
+    assert plain.prompt == llm.apply_chat_template(msgs) and "# Tools" not in plain.prompt
+    (ours,) = llm.chat(msgs, params, tools=TOOLS, tool_choice="none")
+    assert isinstance(ours, ChatResult) and ours.text == plain.text and ours.tool_calls == []
+    assert ours.finish_reason == plain.finish_reason and ours.metrics is ours.output.metrics
+    json_params = SamplingParams(max_tokens=6, structured_outputs={"json_object": True})
+    with pytest.raises(ValueError, match="^structured_outputs cannot be combined with tools"):
+        llm.chat(msgs, json_params, tools=TOOLS, tool_choice="required")
+    with pytest.raises(ValueError, match=r"^tool_choice\.function\.name 'nope' is not one of the tools"):
+        llm.chat(msgs, params, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
