@@ -1,8 +1,9 @@
 """Failover with real processes: workers SIGKILLed or broken mid-batch, Redis killed and restarted
 under them, a worker started while Redis is down. One redis-server and one surviving worker
 (`b@failover`, the tiny random Llama in float32) serve the whole module; a test starts a worker of
-its own only where that worker is killed, breaks, or must start through an outage. Tests keep
-apart by job id and queue. The tiny model is enough for every claim here: they are about jobs,
+its own only where that worker is killed, breaks, or must start through an outage (one worker
+for the last two: the one started through the outage is then broken). Tests keep apart by job id
+and queue. The tiny model is enough for every claim here: they are about jobs,
 leases and streams, and float32 keeps tokens bit-stable across batchings and workers.
 
 The lease bookkeeping these runs rest on (claims, fencing, reaping at the lease's end, the
@@ -77,6 +78,17 @@ def jobs(settings):
     client = JobClient(settings=settings)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="module")
+def spare() -> dict:
+    """Where the worker started through a Redis outage waits for the broken-runtime test, which
+    breaks it: one worker start for both (a test run alone starts its own)."""
+    holder: dict[str, WorkerProcess] = {}
+    yield holder
+    worker = holder.get("worker")
+    if worker is not None and worker.proc.poll() is None:
+        worker.stop()
 
 
 def _ready(settings: JobSettings, worker: WorkerProcess, timeout: float = 180) -> None:
@@ -195,62 +207,6 @@ def test_streams_of_jobs_resumed_after_sigkill_read_cleanly_with_one_restarted_e
         assert "".join(e["text"] for e in events) == sigkill.results[j]["text"]
 
 
-# ---- a broken Runtime --------------------------------------------------------------------------
-
-
-def test_a_worker_whose_runtime_broke_exits_and_its_jobs_run_elsewhere(
-    tiny_llama_dir, redis, settings, celery, survivor, jobs, logs
-):
-    """A worker whose Runtime breaks (its loop hits an error it cannot survive) stops taking jobs
-    and exits non-zero (host.EXIT_RUNTIME_BROKEN), so that a supervisor restarts it; the jobs it
-    ran finish on the other worker, with the tokens they would have had, and none is marked failed."""
-    from runtime import SamplingParams
-
-    max_tokens = 120
-    prompts = [f"Story number {i}:" for i in range(6)]
-    args = tiny_worker_args(tiny_llama_dir, max_num_seqs=4)
-    broken = WorkerProcess("broken@failover", redis.url, logs, args, env={"TANDEM_ALLOW_FAULTS": "1"})
-    try:
-        reference = _reference(tiny_llama_dir, prompts, SamplingParams(max_tokens=max_tokens, **GREEDY))
-        _ready(settings, broken)
-        _ready(settings, survivor)
-        job_ids = [jobs.submit(p, max_tokens=max_tokens, job_id=f"broken-{i}", **GREEDY) for i, p in enumerate(prompts)]
-
-        def broken_runs_some():
-            """The broken worker's jobs at least 40 tokens from their end: the drill reaches it
-            through Celery's control channel, which a busy machine makes slow."""
-            on_victim = [s for s in map(jobs.status, job_ids) if (s["worker"] or "").startswith("broken@failover")]
-            return [s["job_id"] for s in on_victim if 0 < s["progress"]["tokens"] < max_tokens - 40]
-
-        victims = wait_for(broken_runs_some, 120, "the broken worker to be mid-job", interval=0.01)
-        replies = celery.control.broadcast(
-            "tandem_fault", arguments={"reason": "drill"}, reply=True, destination=["broken@failover"], timeout=5
-        )
-        assert replies and replies[0]["broken@failover"] == {"ok": True}
-        assert broken.proc.wait(30) == EXIT_RUNTIME_BROKEN, broken.log()[-2000:]
-        assert "its runtime broke" in broken.log()
-
-        assert jobs.wait(job_ids, timeout=120) == set(job_ids)
-        for i, j in enumerate(job_ids):
-            result = jobs.result(j)  # done, not failed: the broken worker wrote no final state
-            assert result["token_ids"] == reference[i]
-        resumed = [j for j in victims if jobs.status(j)["attempts"] == 2]
-        assert resumed, "a job the broken worker was running ran again"
-        for j in victims:
-            ran_on = jobs.result(j)["worker"]
-            if j not in resumed:  # finished on the broken worker before the drill reached it: once, there
-                assert jobs.status(j)["attempts"] == 1 and ran_on.startswith("broken@failover"), ran_on
-            else:
-                assert ran_on.startswith(SURVIVOR), ran_on
-        assert survivor.proc.poll() is None
-        # b refuses the drill: only a worker started with TANDEM_ALLOW_FAULTS=1 takes it.
-        replies = celery.control.broadcast("tandem_fault", reply=True, destination=[SURVIVOR], timeout=5)
-        assert "error" in replies[0][SURVIVOR] and survivor.proc.poll() is None
-    finally:
-        if broken.proc.poll() is None:
-            broken.stop()
-
-
 # ---- Redis killed and restarted ----------------------------------------------------------------
 
 
@@ -339,6 +295,15 @@ def test_a_worker_keeps_consuming_after_redis_restarts(redis, settings, survivor
 READY_AFTER_REDIS_S = 5.0
 CONSUMER_RETRY = "consumer: Cannot connect to"  # Celery's line for each failed broker connection
 OUTAGE_MODEL = "outage"  # its queue (llm.outage) is the new worker's alone: the survivor takes none
+SPARE = "spare@failover"
+
+
+def _spare_worker(redis, logs, tiny_llama_dir) -> WorkerProcess:
+    """The tiny Llama served as OUTAGE_MODEL (its own queue, and the plain llm queue beside the
+    survivor), taking the fault drill (TANDEM_ALLOW_FAULTS=1)."""
+    args = tiny_worker_args(tiny_llama_dir, max_num_seqs=4)
+    args[args.index("--model") + 1] = f"{OUTAGE_MODEL}={tiny_llama_dir}"
+    return WorkerProcess(SPARE, redis.url, logs, args, env={"TANDEM_ALLOW_FAULTS": "1"})
 
 
 def _alive(worker: WorkerProcess) -> bool:
@@ -355,7 +320,9 @@ def _seconds_to_claim(jobs: JobClient, since: float) -> float:
     return status["timings"]["started_at"] - since
 
 
-def test_a_worker_is_ready_within_seconds_of_redis_coming_back(redis, settings, survivor, jobs, logs, tiny_llama_dir):
+def test_a_worker_is_ready_within_seconds_of_redis_coming_back(
+    redis, settings, survivor, jobs, logs, tiny_llama_dir, spare
+):
     """A worker that starts while Redis is down, and one whose broker connection Redis drops, is
     ready (registered where `tandem serve` counts live workers, and taking jobs) within seconds of
     Redis coming back, however long Redis was away (issue 27: replacement workers took two minutes
@@ -368,9 +335,8 @@ def test_a_worker_is_ready_within_seconds_of_redis_coming_back(redis, settings, 
     between tries. With both fixed, about 1 s each."""
     _ready(settings, survivor)
     redis.kill()  # Redis is down as the worker starts
-    args = tiny_worker_args(tiny_llama_dir)
-    args[args.index("--model") + 1] = f"{OUTAGE_MODEL}={tiny_llama_dir}"
-    worker = WorkerProcess("outage@failover", redis.url, logs, args)
+    worker = _spare_worker(redis, logs, tiny_llama_dir)
+    passed = False
     try:
         wait_for(
             lambda: _alive(worker) and "runtime ready in" in worker.log(),
@@ -382,7 +348,7 @@ def test_a_worker_is_ready_within_seconds_of_redis_coming_back(redis, settings, 
         back = time.time()
         assert _seconds_to_claim(jobs, back) < READY_AFTER_REDIS_S
         live = [p for p in fleet_metrics.gather(jobs.store.redis) if p.get("kind") == "runtime"]
-        assert [p["model_name"] for p in live if p["instance"].startswith("outage@failover")] == [OUTAGE_MODEL], (
+        assert [p["model_name"] for p in live if p["instance"].startswith(SPARE)] == [OUTAGE_MODEL], (
             "the worker is registered where `tandem serve` counts live workers"
         )
 
@@ -399,6 +365,65 @@ def test_a_worker_is_ready_within_seconds_of_redis_coming_back(redis, settings, 
         redis.start()
         back = time.time()
         assert _seconds_to_claim(jobs, back) < READY_AFTER_REDIS_S
+        passed = True
     finally:
-        if worker.proc.poll() is None:
+        if passed:
+            spare["worker"] = worker  # the broken-runtime test breaks it next
+        elif worker.proc.poll() is None:
             worker.stop()
+
+
+# ---- a broken Runtime --------------------------------------------------------------------------
+
+
+def test_a_worker_whose_runtime_broke_exits_and_its_jobs_run_elsewhere(
+    tiny_llama_dir, redis, settings, celery, survivor, jobs, logs, spare
+):
+    """A worker whose Runtime breaks (its loop hits an error it cannot survive) stops taking jobs
+    and exits non-zero (host.EXIT_RUNTIME_BROKEN), so that a supervisor restarts it; the jobs it
+    ran finish on the other worker, with the tokens they would have had, and none is marked failed.
+    The worker is the one the outage test started, where that test ran first and passed."""
+    from runtime import SamplingParams
+
+    max_tokens = 120
+    prompts = [f"Story number {i}:" for i in range(6)]
+    broken = spare.pop("worker", None) or _spare_worker(redis, logs, tiny_llama_dir)
+    try:
+        reference = _reference(tiny_llama_dir, prompts, SamplingParams(max_tokens=max_tokens, **GREEDY))
+        _ready(settings, broken)
+        _ready(settings, survivor)
+        job_ids = [jobs.submit(p, max_tokens=max_tokens, job_id=f"broken-{i}", **GREEDY) for i, p in enumerate(prompts)]
+
+        def broken_runs_some():
+            """The broken worker's jobs at least 40 tokens from their end: the drill reaches it
+            through Celery's control channel, which a busy machine makes slow."""
+            on_victim = [s for s in map(jobs.status, job_ids) if (s["worker"] or "").startswith(SPARE)]
+            return [s["job_id"] for s in on_victim if 0 < s["progress"]["tokens"] < max_tokens - 40]
+
+        victims = wait_for(broken_runs_some, 120, "the broken worker to be mid-job", interval=0.01)
+        replies = celery.control.broadcast(
+            "tandem_fault", arguments={"reason": "drill"}, reply=True, destination=[SPARE], timeout=5
+        )
+        assert replies and replies[0][SPARE] == {"ok": True}
+        assert broken.proc.wait(30) == EXIT_RUNTIME_BROKEN, broken.log()[-2000:]
+        assert "its runtime broke" in broken.log()
+
+        assert jobs.wait(job_ids, timeout=120) == set(job_ids)
+        for i, j in enumerate(job_ids):
+            result = jobs.result(j)  # done, not failed: the broken worker wrote no final state
+            assert result["token_ids"] == reference[i]
+        resumed = [j for j in victims if jobs.status(j)["attempts"] == 2]
+        assert resumed, "a job the broken worker was running ran again"
+        for j in victims:
+            ran_on = jobs.result(j)["worker"]
+            if j not in resumed:  # finished on the broken worker before the drill reached it: once, there
+                assert jobs.status(j)["attempts"] == 1 and ran_on.startswith(SPARE), ran_on
+            else:
+                assert ran_on.startswith(SURVIVOR), ran_on
+        assert survivor.proc.poll() is None
+        # b refuses the drill: only a worker started with TANDEM_ALLOW_FAULTS=1 takes it.
+        replies = celery.control.broadcast("tandem_fault", reply=True, destination=[SURVIVOR], timeout=5)
+        assert "error" in replies[0][SURVIVOR] and survivor.proc.poll() is None
+    finally:
+        if broken.proc.poll() is None:
+            broken.stop()
