@@ -49,9 +49,10 @@ class ChoiceState:
     cumulative_logprob: float | None = None
 
     def to_result(self) -> dict:
-        """The choice in a job's result (`choices`)."""
+        """The choice in a job's result (`choices`). Its cumulative logprob: the engine's, or
+        where its tokens' logprobs are known (asked, or a choice resumed), their sum."""
         cumulative = self.cumulative_logprob
-        if cumulative is None and self.logprobs:
+        if self.logprobs:
             cumulative = sum(e["logprob"] for e in self.logprobs)
         return {
             "index": self.index,
@@ -176,7 +177,8 @@ class OutputEvents:
         """The final output of a request of one choice (a job of one, or a choice resumed alone)."""
         c = self._choice(out)
         rest = self._rest(c, out.text)
-        c.cumulative_logprob = getattr(out, "cumulative_logprob", None)
+        if not c.base:  # a resumed request's counts its new tokens alone
+            c.cumulative_logprob = getattr(out, "cumulative_logprob", None)
         if not self.multi:
             c.text += rest
             c.finish_reason, c.stop_reason, c.ended = out.finish_reason, getattr(out, "stop_reason", None), True

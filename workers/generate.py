@@ -276,7 +276,8 @@ def _generate_choices(host, job, rt, priority, prompt, params, remaining, resume
     prompt_sent = resumed.prompt_logprobs is not None
     writes = _Writes(host, job, appender, None)
     runs: list[tuple] = []  # (params, prompt, earlier outputs, the one choice it runs or None)
-    if not resumed.started:
+    started = resumed.started  # (the choices' states fill up as they run)
+    if not started:
         runs.append((params, prompt, 0, None))
     else:
         prompt_ids = job.prompt_token_ids
@@ -318,7 +319,7 @@ def _generate_choices(host, job, rt, priority, prompt, params, remaining, resume
         if tr.prompt_logprobs is not None:
             resumed.prompt_logprobs = tr.prompt_logprobs
     first = states[0]
-    prompt_ids = job.prompt_token_ids if resumed.started else out.prompt_token_ids
+    prompt_ids = job.prompt_token_ids if started else out.prompt_token_ids
     result = _result(
         host.worker_id, job, rec, prompt_ids, first.ids, first.text, first.finish_reason, out, writes.first_token_at
     )
