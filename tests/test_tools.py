@@ -29,7 +29,7 @@ from runtime.llm.tools_formats import SYNTAXES
 
 def test_parse_tools_defaults_and_round_trip():
     req = parse_tools(TOOLS)
-    assert req.tool_choice == "auto" and req.parallel_tool_calls is True and req.function_name is None
+    assert req.tool_choice == "auto" and req.parallel_tool_calls is False and req.function_name is None
     assert [t.name for t in req.tools] == ["get_weather", "add", "book_table", "ping"]
     named = parse_tools(TOOLS, {"type": "function", "function": {"name": "add"}}, False)
     assert named.tool_choice == "function" and named.names == {"add"} and named.parallel_tool_calls is False
@@ -244,7 +244,7 @@ A = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
 
 
 def test_grammar_required_and_named(compiler, tokenizer):
-    req = grammar("generic", "required")
+    req = grammar("generic", "required", parallel=True)
     ok = [f"<tool_call>{W}</tool_call>", f"<tool_call>{W}</tool_call>\n<tool_call>{A}</tool_call>"]
     bad = [
         "Sure.",
@@ -270,7 +270,7 @@ def test_grammar_required_and_named(compiler, tokenizer):
 
 
 def test_grammar_auto_is_text_or_calls(compiler, tokenizer):
-    auto = grammar("generic", "auto")
+    auto = grammar("generic", "auto", parallel=True)
     assert accepts(compiler, tokenizer, auto, "It is sunny, I think.\n\nBye.")
     assert accepts(compiler, tokenizer, auto, f"<tool_call>{W}</tool_call>")
     assert accepts(compiler, tokenizer, auto, f"Checking. <tool_call>{W}</tool_call>\n<tool_call>{A}</tool_call>")

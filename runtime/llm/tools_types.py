@@ -57,7 +57,7 @@ class ToolRequest:
     tools: tuple[FunctionTool, ...]
     tool_choice: str = "auto"
     function_name: str | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = False  # parse_tools says why
 
     @property
     def offered(self) -> tuple[FunctionTool, ...]:
@@ -132,7 +132,10 @@ def _check_function(i: int, item: object, seen: set[str]) -> FunctionTool:
 def parse_tools(tools: object, tool_choice: object = None, parallel_tool_calls: object = None) -> ToolRequest | None:
     """OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, checked. None when no tools
     are given (tool_choice then may only be absent or "none", as OpenAI has it). tool_choice
-    defaults to "auto" and parallel_tool_calls to true, as OpenAI's."""
+    defaults to "auto", as OpenAI's; parallel_tool_calls to false, as llama.cpp's (OpenAI's
+    default is true): a small model allowed several calls tends to repeat one until max_tokens
+    (SmolLM2 under `required` did, 6 of 50 under `auto`), and an agent loop gets the next call
+    in its next turn anyway. Send true to allow several."""
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise ValueError(f"parallel_tool_calls must be a boolean, got {parallel_tool_calls!r}")
     if tools is None or (isinstance(tools, list) and not tools):
@@ -169,7 +172,7 @@ def parse_tools(tools: object, tool_choice: object = None, parallel_tool_calls: 
         choice = "function"
     else:
         raise ValueError(f"tool_choice must be one of {', '.join(CHOICES)} or a function, got {tool_choice!r}")
-    parallel = True if parallel_tool_calls is None else parallel_tool_calls
+    parallel = False if parallel_tool_calls is None else parallel_tool_calls
     return ToolRequest(checked, choice, function_name, parallel)
 
 
