@@ -87,7 +87,12 @@ class JobClient:
         of the model to run it (its queue, settings.model_queue); neither model nor queue: the
         plain `llm` queue, which any LLM worker runs on its model. With `messages`, OpenAI's
         `tools`, `tool_choice` and `parallel_tool_calls` (and `tool_call_parser`) make a tool
-        job: its stream has tool_call / tool_args events, its result `content` and `tool_calls`."""
+        job: its stream has tool_call / tool_args events, its result `content` and `tool_calls`.
+        `n` (and `best_of`): one job of n choices from one prefill; its token events name their
+        `choice`, each choice ends with a choice_end event, its result lists `choices` (the
+        top-level text and tokens are choice 0's; usage counts the prompt once).
+        `prompt_logprobs`: a prompt event (before any token) and the result's `prompt_logprobs`
+        hold one entry per prompt token, the first with logprob null."""
         if model is not None and queue is not None:
             raise ValueError(f"model: give a model or a queue, not both (got {model!r} and {queue!r})")
         queue = model_queue(model) if model is not None else (queue or "llm")

@@ -5,7 +5,10 @@ A generate job passes the same checks as the OpenAI endpoints (protocol.check_jo
 numbers, known roles, ...) before workers/jobspec.py's, and names its model as they do (`model`:
 a served name, which picks that model's queue, workers.settings.model_queue). Chat messages may
 come with tools (tools, tool_choice, parallel_tool_calls): the job's events then carry the calls
-(tool_call / tool_args, workers/events.py) and its result `content` and `tool_calls`. With an API key,
+(tool_call / tool_args, workers/events.py) and its result `content` and `tool_calls`. A job of
+`n` > 1 choices (or best_of) names each token event's `choice` and ends each choice with a
+choice_end event; its result lists `choices`. `prompt_logprobs` adds a prompt event and the
+result's `prompt_logprobs`. With an API key,
 each job belongs to the key that submitted it (contract G): another key gets 404, as if it did
 not exist.
 """
