@@ -459,8 +459,10 @@ def parse_completion(body: Any) -> Generation:
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise bad("echo", f"echo must be true or false, got {clip(echo)}")
-    if echo and not isinstance(prompt, str):
-        raise bad("echo", "echo needs a text prompt (this server does not decode token ids)")
+    if echo and not isinstance(prompt, str) and _logprobs(body, "completion") is None:
+        # With logprobs, token ids echo as their tokens' text (the prompt event carries each
+        # token's): lm-evaluation-harness sends token ids with echo and logprobs by default.
+        raise bad("echo", "echo with a token-id prompt needs logprobs (the echo is its tokens' text)")
     if isinstance(prompt, list) and any(t >= _INT64 for t in prompt):
         raise bad("prompt", "prompt token ids must fit in 64 bits")
     job, stream, include_usage, timeout, n = _common(body, "completion", bool(echo))

@@ -252,7 +252,12 @@ class Answer:
         c.ended, c.finish_reason, c.stop_reason = True, event.finish_reason, event.stop_reason
 
     def echoed(self) -> str:
-        return self.gen.job["prompt"] if self.gen.echo else ""
+        """The echo's text: a text prompt as sent; token ids as their tokens' text, from the
+        prompt's logprobs entries (echo with token ids asks for them: protocol.parse_completion)."""
+        if not self.gen.echo:
+            return ""
+        prompt = self.gen.job["prompt"]
+        return prompt if isinstance(prompt, str) else "".join(e["token"] for e in self.prompt or ())
 
     def echo_entries(self) -> list[dict]:
         """The prompt's entries an echo's logprobs begin with ([] without echo)."""

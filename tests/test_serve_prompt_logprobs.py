@@ -74,6 +74,20 @@ def test_an_lm_eval_scoring_request_gets_one_logprob_per_prompt_token_equal_to_t
     assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], oracle)) < 1e-4
 
 
+def test_an_lm_eval_request_with_token_ids_scores_them_as_the_text_prompt(served):
+    """lm-evaluation-harness's local-completions sends token ids by default (tokenized_requests):
+    echo then gives the tokens' text, and the scores are those of the same prompt sent as text."""
+    client, rt = served
+    ids, _ = _engine_prompt_logprobs(rt, PROMPT, 1)
+    by_text = _post(client, "/v1/completions", prompt=PROMPT, **LM_EVAL)["choices"][0]
+    by_ids = _post(client, "/v1/completions", prompt=ids, **LM_EVAL)["choices"][0]
+    assert by_ids["logprobs"] == by_text["logprobs"]
+    assert by_ids["text"] == "".join(by_text["logprobs"]["tokens"])
+    # Without logprobs there is no token text to echo (the server holds no tokenizer).
+    resp = client.post("/v1/completions", json={"model": "tiny", "prompt": ids, "echo": True, "max_tokens": 1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
+
+
 def test_echo_with_a_completion_puts_the_prompts_tokens_first(served):
     client, _ = served
     args = dict(prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
