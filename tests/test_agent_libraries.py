@@ -18,7 +18,7 @@ from typing import Annotated
 import jsonschema
 import pytest
 from fleet_support import ServeProcess, embedded_args, model_ids
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from test_jobs_support import wait_for
 
 pytestmark = pytest.mark.slow
@@ -28,6 +28,10 @@ pytestmark = pytest.mark.slow
 # fill a string or a number until max_tokens (nearly every token is allowed inside one), while
 # SmolLM2 closes them by itself.
 class City(BaseModel):
+    # No properties beyond these (additionalProperties false), as OpenAI's strict mode asks:
+    # SmolLM2 otherwise goes on inventing "population_density_per_square_kilometer_..." keys.
+    model_config = ConfigDict(extra="forbid")
+
     name: str = Field(description="the city's name", max_length=24)
     population: int = Field(description="how many people live there", ge=0, le=100_000_000)
 
