@@ -9,6 +9,11 @@ one fill_bitmasks call of each step (llguidance computing the allowed tokens) an
 apply_token_bitmask call (unpack and mask the rows on the logits' device; on CPU that time is
 its own, on CUDA it is only the launch).
 
+--grammar picks the constraint: `json` (the schema above, as response_format), `tool` (a
+required call, in SmolLM2's generic tool format, to a tool whose arguments are that array: the
+call's grammar held for every timed step) or `tool-auto` (tool_choice auto before the model opens
+a call: the lazy grammar's free-text phase, the cost every auto request pays for its text).
+
 Prints the CPU first; writes structured.json and structured.png to --out.
 """
 
@@ -37,6 +42,30 @@ SCHEMA = {
     "minItems": 64,
 }
 PROMPT = "List many fictional people with their ages, as JSON."
+STORY = "Write a long story about a lighthouse keeper and the sea."
+GRAMMARS = ("json", "tool", "tool-auto")
+
+
+def held_request(engine, grammar: str) -> tuple[str, dict]:
+    """The constrained requests' prompt and structured_outputs for --grammar."""
+    if grammar == "json":
+        return engine.apply_chat_template([{"role": "user", "content": PROMPT}]), {"json": SCHEMA}
+    from runtime.llm.tools import parse_tools, tool_format_for
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "record_people",
+            "description": "Record fictional people with their ages.",
+            "parameters": {"type": "object", "properties": {"people": SCHEMA}, "required": ["people"]},
+        },
+    }
+    choice = "required" if grammar == "tool" else "auto"
+    request = parse_tools([tool], choice)
+    fmt = tool_format_for(engine.tokenizer, None)
+    content = PROMPT if grammar == "tool" else STORY
+    prompt = fmt.render(engine.tokenizer, [{"role": "user", "content": content}], request)
+    return prompt, fmt.structured_outputs(request)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=40, help="timed steps per round (median over all)")
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps per round")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--grammar", default="json", choices=GRAMMARS, help="the constraint (see above)")
     p.add_argument("--out", default="bench_out/structured")
 
 
@@ -65,15 +95,16 @@ class _Timer:
             self.times.append(time.perf_counter() - t)
 
 
-def _case(engine, batch: int, constrained: int, steps: int, warmup: int) -> dict:
+def _case(engine, batch: int, constrained: int, steps: int, warmup: int, grammar: str = "json") -> dict:
     from runtime.llm import sampler as sampler_module
     from runtime.llm.sampling_params import SamplingParams
 
     chat = engine.apply_chat_template([{"role": "user", "content": PROMPT}])
+    held_prompt, spec = held_request(engine, grammar)
     budget = warmup + steps + 64
     free = SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True)
-    held = SamplingParams(max_tokens=budget, temperature=0, structured_outputs={"json": SCHEMA})
-    ids = [engine.add_request(chat, held if k < constrained else free) for k in range(batch)]
+    held = SamplingParams(max_tokens=budget, temperature=0, structured_outputs=spec)
+    ids = [engine.add_request(*((held_prompt, held) if k < constrained else (chat, free))) for k in range(batch)]
     while engine.scheduler.stats().num_waiting or engine.last_step_shape[1] != batch:
         engine.step()  # the prefills, until every request decodes
     for _ in range(warmup):
@@ -132,7 +163,7 @@ def run(args) -> int:
     samples = {c: {"step_ms": [], "fill_ms": [], "apply_ms": []} for c in counts}
     for r in range(args.rounds):
         for c in counts if r % 2 == 0 else counts[::-1]:
-            got = _case(engine, args.batch, c, args.steps, args.warmup)
+            got = _case(engine, args.batch, c, args.steps, args.warmup, args.grammar)
             for k, v in got.items():
                 samples[c][k] += v
     rows = []
@@ -143,7 +174,10 @@ def run(args) -> int:
             row[k.replace("_ms", "_median_ms")] = statistics.median(v) if v else None
         rows.append(row)
     base = rows[0]["step_median_ms"]
-    print(f"\ndevice {device}, {args.dtype}, batch {args.batch}, {rows[0]['steps']} timed steps per case")
+    print(
+        f"\ndevice {device}, {args.dtype}, batch {args.batch}, grammar {args.grammar}, "
+        f"{rows[0]['steps']} timed steps per case"
+    )
     print(f"{'constrained':>11s} {'step ms':>8s} {'vs first':>8s} {'fill ms':>8s} {'apply ms':>8s}")
     for row in rows:
         fill = "-" if row["fill_median_ms"] is None else f"{row['fill_median_ms']:8.3f}"
@@ -159,12 +193,13 @@ def run(args) -> int:
         "dtype": args.dtype,
         "model": args.model,
         "schema": SCHEMA,
+        "grammar": args.grammar,
         "args": vars(args),
         "rows": rows,
         "samples": {str(c): samples[c] for c in counts},
     }
     (out / "structured.json").write_text(json.dumps(report, indent=2))
-    _plot(rows, samples, out / "structured.png", f"{device}, {args.dtype}, batch {args.batch}")
+    _plot(rows, samples, out / "structured.png", f"{device}, {args.dtype}, batch {args.batch}, {args.grammar}")
     engine.close()
     print(f"wrote {out / 'structured.json'} and {out / 'structured.png'}")
     return 0
