@@ -158,3 +158,35 @@ def test_a_workers_plain_value_error_and_deadline_are_told_apart_by_finish_reaso
     _run(host, "fe-4", RuntimeError("the deadline of a bug"))
     final, err = _server_error(host.settings, "fe-4")
     assert final.finish_reason == "abort" and err.status == 500
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, code",
+    [
+        ({"top_p": 2}, "top_p", "out_of_range"),
+        ({"temperature": -1}, "temperature", "out_of_range"),
+        ({"logprobs": 21}, "logprobs", "out_of_range"),
+        ({"max_tokens": 0}, "max_tokens", "invalid"),
+        ({"presence_penalty": 3}, "presence_penalty", "out_of_range"),
+        ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex", "invalid"),
+    ],
+)
+def test_sampling_params_raise_field_errors_with_the_field_as_data(kwargs, field, code):
+    """The engine's own checks carry the field as data, so nothing above reads their words."""
+    from runtime.llm.sampling_params import SamplingParams
+
+    with pytest.raises(FieldError) as err:
+        SamplingParams(**kwargs)
+    assert (err.value.field, err.value.code) == (field, code)
+
+
+def test_tool_and_response_format_checks_raise_field_errors():
+    from runtime.llm.structured import structured_outputs_from_response_format
+    from runtime.llm.tools import parse_tools
+
+    with pytest.raises(FieldError) as err:
+        parse_tools([{"type": "function", "function": {"name": "bad name!"}}])
+    assert err.value.field == "tools[0].function.name"
+    with pytest.raises(FieldError) as err:
+        structured_outputs_from_response_format({"type": "json_schema", "json_schema": {"name": "x"}})
+    assert err.value.field == "response_format.json_schema.schema"

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from runtime.errors import OUT_OF_RANGE, FieldError
+
 # structured.py imports neither torch nor llguidance at module level: workers/jobspec.py, which
 # imports this module, stays torch-free.
 from runtime.llm.structured import StructuredSpec
@@ -77,77 +79,104 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (
             not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
-            raise ValueError(
-                f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
+            raise FieldError(
+                "prompt_logprobs",
+                f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
             )
         if self.max_tokens is not None and (
             not _is_int(self.max_tokens) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1)
         ):
-            raise ValueError(
+            raise FieldError(
+                "max_tokens",
                 f"max_tokens must be an integer >= 1 or None (the rest of the context), or 0 with prompt_logprobs "
-                f"set (score the prompt, generate nothing), got {self.max_tokens!r}"
+                f"set (score the prompt, generate nothing), got {self.max_tokens!r}",
             )
         if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+            raise FieldError("n", f"n must be an integer >= 1, got {self.n!r}", OUT_OF_RANGE)
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
-            raise ValueError(f"best_of must be None or an integer >= n ({self.n}), got {self.best_of!r}")
+            raise FieldError(
+                "best_of", f"best_of must be None or an integer >= n ({self.n}), got {self.best_of!r}", OUT_OF_RANGE
+            )
         if self.max_tokens == 0 and self.num_choices > 1:
-            raise ValueError(
+            raise FieldError(
+                "n",
                 f"n must be 1 when max_tokens is 0 (scoring a prompt makes no choices), got n={self.n}, "
-                f"best_of={self.best_of}"
+                f"best_of={self.best_of}",
             )
         if (
             isinstance(self.temperature, bool)
             or not isinstance(self.temperature, (int, float))
             or not self.temperature >= 0
         ):
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+            raise FieldError(
+                "temperature", f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}", OUT_OF_RANGE
+            )
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise FieldError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}", OUT_OF_RANGE)
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 = disabled), got {self.top_k!r}")
+            raise FieldError(
+                "top_k", f"top_k must be an integer >= 0 (0 or -1 = disabled), got {self.top_k!r}", OUT_OF_RANGE
+            )
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise FieldError("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}", OUT_OF_RANGE)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            raise FieldError(
+                "min_tokens",
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
             )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            raise FieldError("seed", f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+            raise FieldError("stop", f"stop must be a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
         if len(self.stop) > MAX_STOP:
-            raise ValueError(f"stop must hold at most {MAX_STOP} strings, got {len(self.stop)}")
+            raise FieldError("stop", f"stop must hold at most {MAX_STOP} strings, got {len(self.stop)}", OUT_OF_RANGE)
         long = [s for s in self.stop if len(s) > MAX_STOP_LEN]
         if long:
-            raise ValueError(f"stop strings must be at most {MAX_STOP_LEN} characters, got one of {len(long[0])}")
+            raise FieldError(
+                "stop",
+                f"stop strings must be at most {MAX_STOP_LEN} characters, got one of {len(long[0])}",
+                OUT_OF_RANGE,
+            )
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+            raise FieldError(
+                "stop_token_ids", f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}"
+            )
         self.stop_token_ids = list(self.stop_token_ids)
         if len(self.stop_token_ids) > MAX_STOP:
-            raise ValueError(f"stop_token_ids must hold at most {MAX_STOP} ids, got {len(self.stop_token_ids)}")
+            raise FieldError(
+                "stop_token_ids",
+                f"stop_token_ids must hold at most {MAX_STOP} ids, got {len(self.stop_token_ids)}",
+                OUT_OF_RANGE,
+            )
         rp = self.repetition_penalty
         if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0 < rp < float("inf"):
-            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off, > 1 discourages repeats), got {rp!r}")
+            raise FieldError(
+                "repetition_penalty",
+                f"repetition_penalty must be a number > 0 (1 = off, > 1 discourages repeats), got {rp!r}",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
-                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {v!r}")
+                raise FieldError(name, f"{name} must be a number in [-2, 2] (0 = off), got {v!r}", OUT_OF_RANGE)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise FieldError(
+                "logprobs",
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+                OUT_OF_RANGE,
+            )
         mp = self.min_p
         if isinstance(mp, bool) or not isinstance(mp, (int, float)) or not 0 <= mp <= 1:
-            raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {mp!r}")
+            raise FieldError("min_p", f"min_p must be a number in [0, 1] (0 = off), got {mp!r}", OUT_OF_RANGE)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise FieldError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.structured_outputs is not None:
             # Checked, not rewritten: the caller's dict stays as given (the engine parses it again,
             # cheaply, when it compiles it).

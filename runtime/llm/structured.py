@@ -79,6 +79,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from runtime.errors import OUT_OF_RANGE, FieldError
+
 if TYPE_CHECKING:
     import torch
 
@@ -108,32 +110,38 @@ class StructuredSpec:
             return spec
         if not isinstance(spec, dict) or len(spec) != 1:
             keys = list(spec) if isinstance(spec, dict) else type(spec).__name__
-            raise ValueError(f"{field} must be an object with exactly one key of {', '.join(KINDS)}, got {keys!r}")
+            raise FieldError(
+                field, f"{field} must be an object with exactly one key of {', '.join(KINDS)}, got {keys!r}"
+            )
         ((kind, value),) = spec.items()
         name = f"{field}.{kind}"
         if kind not in KINDS:
-            raise ValueError(f"{field} key must be one of {', '.join(KINDS)}, got {kind!r}")
+            raise FieldError(field, f"{field} key must be one of {', '.join(KINDS)}, got {kind!r}")
         if kind == "json":
             if isinstance(value, str):
                 try:
                     value = json.loads(value)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{name} is not valid JSON: {e}") from None
+                    raise FieldError(name, f"{name} is not valid JSON: {e}") from None
             if not isinstance(value, dict):
-                raise ValueError(f"{name} must be a JSON-schema object (or its JSON text), got {type(value).__name__}")
+                raise FieldError(
+                    name, f"{name} must be a JSON-schema object (or its JSON text), got {type(value).__name__}"
+                )
         elif kind == "json_object":
             if value is not True:
-                raise ValueError(f"{name} must be true, got {value!r}")
+                raise FieldError(name, f"{name} must be true, got {value!r}")
         elif kind in ("regex", "grammar"):
             if not isinstance(value, str) or not value:
-                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+                raise FieldError(name, f"{name} must be a non-empty string, got {value!r}")
         elif kind == "choice":
             if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
-                raise ValueError(f"{name} must be a non-empty list of non-empty strings, got {value!r}")
+                raise FieldError(name, f"{name} must be a non-empty list of non-empty strings, got {value!r}")
             value = tuple(value)
         key = _canonical({kind: list(value) if kind == "choice" else value})
         if len(key) > MAX_SPEC_CHARS:
-            raise ValueError(f"{name} must be at most {MAX_SPEC_CHARS} characters as JSON, got {len(key)}")
+            raise FieldError(
+                name, f"{name} must be at most {MAX_SPEC_CHARS} characters as JSON, got {len(key)}", OUT_OF_RANGE
+            )
         return cls(kind, value, key)
 
 
@@ -142,33 +150,51 @@ def structured_outputs_from_response_format(response_format: object) -> dict | N
     if response_format is None:
         return None
     if not isinstance(response_format, dict):
-        raise ValueError(f"response_format must be an object, got {type(response_format).__name__}")
+        raise FieldError("response_format", f"response_format must be an object, got {type(response_format).__name__}")
     kind = response_format.get("type")
     extra = set(response_format) - {"type", "json_schema"}
     if extra:
-        raise ValueError(f"response_format has unknown fields {sorted(extra)}")
+        raise FieldError("response_format", f"response_format has unknown fields {sorted(extra)}")
     if kind == "text" or kind == "json_object":
         if "json_schema" in response_format:
-            raise ValueError(f"response_format.json_schema is only allowed with type json_schema, not {kind!r}")
+            raise FieldError(
+                "response_format.json_schema",
+                f"response_format.json_schema is only allowed with type json_schema, not {kind!r}",
+            )
         return None if kind == "text" else {"json_object": True}
     if kind != "json_schema":
-        raise ValueError(f"response_format.type must be one of text, json_object, json_schema, got {kind!r}")
+        raise FieldError(
+            "response_format.type", f"response_format.type must be one of text, json_object, json_schema, got {kind!r}"
+        )
     js = response_format.get("json_schema")
     if not isinstance(js, dict):
-        raise ValueError("response_format.json_schema must be an object with name and schema")
+        raise FieldError(
+            "response_format.json_schema", "response_format.json_schema must be an object with name and schema"
+        )
     extra = set(js) - {"name", "schema", "strict", "description"}
     if extra:
-        raise ValueError(f"response_format.json_schema has unknown fields {sorted(extra)}")
+        raise FieldError(
+            "response_format.json_schema", f"response_format.json_schema has unknown fields {sorted(extra)}"
+        )
     name = js.get("name")
     if not isinstance(name, str) or not 1 <= len(name) <= 64:
-        raise ValueError(f"response_format.json_schema.name must be a string of 1 to 64 characters, got {name!r}")
+        raise FieldError(
+            "response_format.json_schema.name",
+            f"response_format.json_schema.name must be a string of 1 to 64 characters, got {name!r}",
+        )
     if not isinstance(js.get("strict", False), (bool, type(None))):
-        raise ValueError(f"response_format.json_schema.strict must be a boolean, got {js['strict']!r}")
+        raise FieldError(
+            "response_format.json_schema.strict",
+            f"response_format.json_schema.strict must be a boolean, got {js['strict']!r}",
+        )
     if "schema" not in js:
-        raise ValueError("response_format.json_schema.schema is required")
+        raise FieldError("response_format.json_schema.schema", "response_format.json_schema.schema is required")
     schema = js["schema"]
     if not isinstance(schema, dict):
-        raise ValueError(f"response_format.json_schema.schema must be an object, got {type(schema).__name__}")
+        raise FieldError(
+            "response_format.json_schema.schema",
+            f"response_format.json_schema.schema must be an object, got {type(schema).__name__}",
+        )
     # strict false asks for best effort; the grammar always holds the output to the schema.
     return {"json": schema}
 
@@ -331,13 +357,13 @@ class GrammarCompiler:
         try:
             grammar = self._grammar(spec)
         except ValueError as e:  # the GBNF converter and the JSON front end raise on bad input
-            raise ValueError(f"{name} could not be compiled: {e}") from None
+            raise FieldError(name, f"{name} could not be compiled: {e}") from None
         is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
-            raise ValueError(f"{name} could not be compiled: {messages[0].strip()}")
+            raise FieldError(name, f"{name} could not be compiled: {messages[0].strip()}")
         template = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if template.is_error():
-            raise ValueError(f"{name} could not be compiled: {template.get_error().strip()}")
+            raise FieldError(name, f"{name} could not be compiled: {template.get_error().strip()}")
         compiled = CompiledGrammar(spec, template, self.eos_token_ids, self.words)
         with self._lock:
             self._cache[spec.key] = compiled

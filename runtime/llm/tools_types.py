@@ -9,6 +9,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.errors import OUT_OF_RANGE, FieldError
+
 CHOICES = ("auto", "required", "none")
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
@@ -86,46 +88,60 @@ class ToolRequest:
     @classmethod
     def from_dict(cls, data: dict) -> ToolRequest:
         if not isinstance(data, dict):
-            raise ValueError(f"tools must be an object with tools, tool_choice, parallel_tool_calls, got {data!r}")
+            raise FieldError(
+                "tools", f"tools must be an object with tools, tool_choice, parallel_tool_calls, got {data!r}"
+            )
         request = parse_tools(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
         if request is None:
-            raise ValueError("tools must be a non-empty list")
+            raise FieldError("tools", "tools must be a non-empty list")
         return request
 
 
 def _check_function(i: int, item: object, seen: set[str]) -> FunctionTool:
     at = f"tools[{i}]"
     if not isinstance(item, dict):
-        raise ValueError(f"{at} must be an object {{'type': 'function', 'function': {{...}}}}, got {item!r}")
+        raise FieldError(at, f"{at} must be an object {{'type': 'function', 'function': {{...}}}}, got {item!r}")
     if item.get("type") != "function":
-        raise ValueError(f"{at}.type must be 'function', got {item.get('type')!r}")
+        raise FieldError(f"{at}.type", f"{at}.type must be 'function', got {item.get('type')!r}")
     extra = set(item) - {"type", "function"}
     if extra:
-        raise ValueError(f"{at} has unknown fields {sorted(extra)}")
+        raise FieldError(at, f"{at} has unknown fields {sorted(extra)}")
     fn = item.get("function")
     if not isinstance(fn, dict):
-        raise ValueError(f"{at}.function must be an object with name, description, parameters, strict, got {fn!r}")
+        raise FieldError(
+            f"{at}.function", f"{at}.function must be an object with name, description, parameters, strict, got {fn!r}"
+        )
     extra = set(fn) - _FUNCTION_KEYS
     if extra:
-        raise ValueError(f"{at}.function has unknown fields {sorted(extra)}")
+        raise FieldError(f"{at}.function", f"{at}.function has unknown fields {sorted(extra)}")
     name = fn.get("name")
     if not isinstance(name, str) or not NAME_RE.match(name):
-        raise ValueError(f"{at}.function.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -, got {name!r}")
+        raise FieldError(
+            f"{at}.function.name", f"{at}.function.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -, got {name!r}"
+        )
     if name in seen:
-        raise ValueError(f"{at}.function.name {name!r} is already the name of another tool")
+        raise FieldError(f"{at}.function.name", f"{at}.function.name {name!r} is already the name of another tool")
     seen.add(name)
     description = fn.get("description")
     if description is not None and not isinstance(description, str):
-        raise ValueError(f"{at}.function.description must be a string, got {description!r}")
+        raise FieldError(
+            f"{at}.function.description", f"{at}.function.description must be a string, got {description!r}"
+        )
     parameters = fn.get("parameters")
     if parameters is not None:
         if not isinstance(parameters, dict):
-            raise ValueError(f"{at}.function.parameters must be a JSON Schema object, got {type(parameters).__name__}")
+            raise FieldError(
+                f"{at}.function.parameters",
+                f"{at}.function.parameters must be a JSON Schema object, got {type(parameters).__name__}",
+            )
         if parameters.get("type", "object") != "object":
-            raise ValueError(f"{at}.function.parameters.type must be 'object', got {parameters['type']!r}")
+            raise FieldError(
+                f"{at}.function.parameters.type",
+                f"{at}.function.parameters.type must be 'object', got {parameters['type']!r}",
+            )
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise ValueError(f"{at}.function.strict must be a boolean, got {strict!r}")
+        raise FieldError(f"{at}.function.strict", f"{at}.function.strict must be a boolean, got {strict!r}")
     return FunctionTool(name, description, parameters, strict)
 
 
@@ -137,15 +153,17 @@ def parse_tools(tools: object, tool_choice: object = None, parallel_tool_calls: 
     (SmolLM2 under `required` did, 6 of 50 under `auto`), and an agent loop gets the next call
     in its next turn anyway. Send true to allow several."""
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-        raise ValueError(f"parallel_tool_calls must be a boolean, got {parallel_tool_calls!r}")
+        raise FieldError("parallel_tool_calls", f"parallel_tool_calls must be a boolean, got {parallel_tool_calls!r}")
     if tools is None or (isinstance(tools, list) and not tools):
         if tool_choice not in (None, "none"):
-            raise ValueError(f"tool_choice must be absent or 'none' when no tools are given, got {tool_choice!r}")
+            raise FieldError(
+                "tool_choice", f"tool_choice must be absent or 'none' when no tools are given, got {tool_choice!r}"
+            )
         return None
     if not isinstance(tools, list):
-        raise ValueError(f"tools must be a list of {{'type': 'function', 'function': {{...}}}}, got {tools!r}")
+        raise FieldError("tools", f"tools must be a list of {{'type': 'function', 'function': {{...}}}}, got {tools!r}")
     if len(tools) > MAX_TOOLS:
-        raise ValueError(f"tools must hold at most {MAX_TOOLS} tools, got {len(tools)}")
+        raise FieldError("tools", f"tools must hold at most {MAX_TOOLS} tools, got {len(tools)}", OUT_OF_RANGE)
     seen: set[str] = set()
     checked = tuple(_check_function(i, item, seen) for i, item in enumerate(tools))
     function_name = None
@@ -153,25 +171,34 @@ def parse_tools(tools: object, tool_choice: object = None, parallel_tool_calls: 
         choice = "auto"
     elif isinstance(tool_choice, str):
         if tool_choice not in CHOICES:
-            raise ValueError(f"tool_choice must be one of {', '.join(CHOICES)} or a function, got {tool_choice!r}")
+            raise FieldError(
+                "tool_choice", f"tool_choice must be one of {', '.join(CHOICES)} or a function, got {tool_choice!r}"
+            )
         choice = tool_choice
     elif isinstance(tool_choice, dict):
         if tool_choice.get("type") != "function":
-            raise ValueError(f"tool_choice.type must be 'function', got {tool_choice.get('type')!r}")
+            raise FieldError(
+                "tool_choice.type", f"tool_choice.type must be 'function', got {tool_choice.get('type')!r}"
+            )
         extra = set(tool_choice) - {"type", "function"}
         if extra:
-            raise ValueError(f"tool_choice has unknown fields {sorted(extra)}")
+            raise FieldError("tool_choice", f"tool_choice has unknown fields {sorted(extra)}")
         fn = tool_choice.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ValueError(f"tool_choice.function must be an object with a string name, got {fn!r}")
+            raise FieldError(
+                "tool_choice.function", f"tool_choice.function must be an object with a string name, got {fn!r}"
+            )
         function_name = fn["name"]
         if function_name not in seen:
-            raise ValueError(
-                f"tool_choice.function.name {function_name!r} is not one of the tools ({', '.join(sorted(seen))})"
+            raise FieldError(
+                "tool_choice.function.name",
+                f"tool_choice.function.name {function_name!r} is not one of the tools ({', '.join(sorted(seen))})",
             )
         choice = "function"
     else:
-        raise ValueError(f"tool_choice must be one of {', '.join(CHOICES)} or a function, got {tool_choice!r}")
+        raise FieldError(
+            "tool_choice", f"tool_choice must be one of {', '.join(CHOICES)} or a function, got {tool_choice!r}"
+        )
     parallel = False if parallel_tool_calls is None else parallel_tool_calls
     return ToolRequest(checked, choice, function_name, parallel)
 
