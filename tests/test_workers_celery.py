@@ -24,6 +24,9 @@ pytestmark = pytest.mark.slow
 # logprobs and stop_reason: contract C (null when not asked for, or when EOS or the length ended it)
 RESULT_KEYS = {"job_id", "worker", "text", "token_ids", "finish_reason", "usage", "timings", "logprobs", "stop_reason"}
 DETECT_KEYS = {"source", "frame", "boxes", "conf", "cls", "names", "error"}
+# The orphan sweep runs every 2 heartbeats and needs two sightings: at the default 2 s beat, the
+# lost-message test waited 4 to 6 s for it. The lease stays the default 10 s.
+WORKER_ENV = {"TANDEM_HEARTBEAT_S": "0.5"}
 
 
 class Env:
@@ -48,13 +51,13 @@ def env(tmp_path_factory, tiny_llama_dir):
     os.symlink("/etc/hostname", images / "escape.jpg")  # inside the root, pointing outside it
     redis = RedisServer(tmp).start()
     settings = JobSettings(redis_url=redis.url)
-    llm = WorkerProcess("llm@test", redis.url, tmp, tiny_worker_args(tiny_llama_dir))
+    llm = WorkerProcess("llm@test", redis.url, tmp, tiny_worker_args(tiny_llama_dir), WORKER_ENV)
     vision = WorkerProcess(
         "vision@test",
         redis.url,
         tmp,
         ["--queues", "vision", "--imgsz", "320", "--vision-max-batch-size", "2"],
-        env={"TANDEM_ALLOWED_ROOTS": str(images)},
+        env={**WORKER_ENV, "TANDEM_ALLOWED_ROOTS": str(images)},
     )
     e = Env(redis, llm, vision, settings, images)
     try:
