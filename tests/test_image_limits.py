@@ -690,7 +690,7 @@ def embedded_client():
     from fastapi.testclient import TestClient
 
     rt = FakeRuntime()
-    with TestClient(_server("app").create_app(_server("backends").EmbeddedBackend(rt, "none"))) as client:
+    with TestClient(_server("app").create_app(_server("embedded").EmbeddedBackend(rt, "none"))) as client:
         yield client, rt
 
 
