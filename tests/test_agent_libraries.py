@@ -3,9 +3,10 @@ JSON_SCHEMA modes), LangChain (`bind_tools(tool_choice="any")`, `with_structured
 pydantic-ai (`Agent(output_type=...)`), the OpenAI Agents SDK over chat completions with a
 function tool, the `openai` client's streamed tool calls, and a hand-written two-turn loop.
 
-Each runs on two servers: `tandem serve --embedded` on the real SmolLM2-135M-Instruct, and the
-session's fleet (`tandem serve` over Redis and a `tandem worker` on the tiny random Llama), so
-that the calls travel both in process and as job events through Redis. Every call's arguments
+Each runs on three servers, all shared with other modules (no process of its own): `tandem serve`
+over Redis and a worker on the real SmolLM2-135M-Instruct (the session's two-model fleet), and
+the tiny random Llama both over the session fleet's worker and in `tandem serve --embedded`, so
+that the calls travel as job events through Redis and in process. Every call's arguments
 are validated against its tool's JSON Schema here, independently of the libraries' own parsing:
 the claim is that the server's calls always parse, so the tiny model's random weights must
 produce valid calls too (the grammar, not the model, makes them valid)."""
@@ -17,7 +18,7 @@ from typing import Annotated
 
 import jsonschema
 import pytest
-from fleet_support import ServeProcess, embedded_args, model_ids
+from fleet_support import MODELS_SMOL, model_ids
 from pydantic import BaseModel, ConfigDict, Field
 from test_jobs_support import wait_for
 
@@ -75,30 +76,26 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def smol_embedded(tmp_path_factory, smollm2_dir):
-    proc = ServeProcess(
-        "serve-agents-smol",
-        tmp_path_factory.mktemp("agents"),
-        [*embedded_args(smollm2_dir), "--request-timeout", "120"],
-    )
-    try:
-        proc.wait_ready(timeout=240)
-        model = wait_for(lambda: model_ids(proc.url), 30, "SmolLM2 in /v1/models")[0]
-        yield Server(proc.url, model)
-    finally:
-        proc.stop()
+def smollm2_worker(models_fleet):
+    fleet = models_fleet.ready()
+    return Server(fleet.server.url, MODELS_SMOL)
 
 
 @pytest.fixture(scope="module")
-def fleet_server(shared_fleet):
+def tiny_worker(shared_fleet):
     fleet = shared_fleet.ready()
     return Server(fleet.server.url, fleet.model)
 
 
-@pytest.fixture(params=["embedded-smollm2", "worker-tiny"])
+@pytest.fixture(scope="module")
+def tiny_embedded(shared_fleet):
+    proc = shared_fleet.embedded()
+    return Server(proc.url, wait_for(lambda: model_ids(proc.url), 30, "the model in /v1/models")[0])
+
+
+@pytest.fixture(params=["worker-smollm2", "worker-tiny", "embedded-tiny"])
 def server(request) -> Server:
-    name = "smol_embedded" if request.param == "embedded-smollm2" else "fleet_server"
-    return request.getfixturevalue(name)
+    return request.getfixturevalue(request.param.split("-")[1] + "_" + request.param.split("-")[0])
 
 
 def valid(arguments: str | dict, schema: dict) -> dict:
