@@ -270,3 +270,25 @@ def test_a_job_resumed_on_another_worker_keeps_the_tokens_already_written(client
     rec = client.record("j1")
     assert (rec["state"], rec["finished_by"] != "", rec["attempt"]) == ("done", True, "2")
     assert (a.outcomes, b.outcomes["done"]) == ({}, 1)
+
+
+def test_an_older_workers_lease_key_counts_as_alive_while_it_exists(client, hosts, clock):
+    """A rolling upgrade: a worker of the previous release writes its beat time into its key
+    (alive, as its own scripts read it, while the key exists). The new scripts must not read
+    that time as a lease's end long past and requeue the job it runs."""
+    from workers.store import lease_alive, worker_key
+
+    a, b = hosts
+    _submit(client)
+    assert _claim(a, "tok-a").outcome == "claimed"
+    old_beat = clock.now - 3 * LEASE_S  # any time at all: the key's TTL is the lease
+    client.redis.set(worker_key(a.worker_id), str(old_beat), px=int(LEASE_S * 1000))
+    clock.advance(2 * LEASE_S)
+    b.beat()
+    assert (client.record("j1")["state"], client.record("j1")["owner"]) == ("running", a.worker_id)
+    assert _claim(b, "tok-b").outcome == "busy"  # CLAIM's alive(), as REAP's, reads the key as live
+    assert lease_alive(str(old_beat), clock.now) and not lease_alive(None, clock.now)
+    assert not lease_alive(f"end:{clock.now}", clock.now) and lease_alive(f"end:{clock.now + 1}", clock.now)
+    client.redis.delete(worker_key(a.worker_id))  # the older worker died: its key expired
+    b.beat()
+    assert client.record("j1")["state"] == "queued"

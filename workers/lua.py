@@ -41,7 +41,12 @@ local function terminal(state) return state == 'done' or state == 'failed' or st
 -- asks only that their clocks agree to well within lease_s - heartbeat_s (8 s by default).
 local function alive(worker, now)
   if not worker or worker == '' then return false end
-  local ends = tonumber(redis.call('GET', P .. 'worker:' .. worker) or '')
+  local v = redis.call('GET', P .. 'worker:' .. worker)
+  if not v then return false end
+  -- 'end:<t>': the lease's end on the writer's clock. Anything else is an older worker's key
+  -- (its beat time): alive while it exists, its TTL the lease, as those workers' scripts read it.
+  if string.sub(v, 1, 4) ~= 'end:' then return true end
+  local ends = tonumber(string.sub(v, 5))
   return ends ~= nil and ends > tonumber(now)
 end
 

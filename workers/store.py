@@ -372,7 +372,11 @@ class JobStore:
         reader's `now`), and expires by itself in Redis lease_s later, so a dead worker's key
         goes away whatever the clocks say."""
         now = self.clock() if now is None else now
-        self.redis.set(worker_key(worker_id), repr(now + self.settings.lease_s), px=int(self.settings.lease_s * 1000))
+        # "end:" marks the value as a lease's end: an older worker's key holds its beat time,
+        # which lease_alive (and lua.py's alive) must not read as an end long past (a rolling
+        # upgrade would requeue every job the older workers run).
+        lease_end = f"end:{now + self.settings.lease_s!r}"
+        self.redis.set(worker_key(worker_id), lease_end, px=int(self.settings.lease_s * 1000))
 
     def release(self, worker_id: str) -> None:
         """A worker leaving cleanly drops its lease, so that its unfinished jobs move at once."""
@@ -496,9 +500,14 @@ def prefix_of(events: list[JobEvent]) -> tuple[list[int], str, list[dict] | None
 
 
 def lease_alive(until: str | None, now: float) -> bool:
-    """A worker key's value (the end of its lease), read at `now`: lua.py's `alive`, in Python."""
+    """A worker key's value, read at `now`: lua.py's `alive`, in Python. "end:<t>" is the end of
+    its lease; any other value is an older worker's key (its beat time), alive while it exists."""
+    if until is None:
+        return False
+    if not until.startswith("end:"):
+        return True
     try:
-        return until is not None and float(until) > now
+        return float(until[4:]) > now
     except ValueError:
         return False
 
