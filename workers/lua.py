@@ -11,8 +11,9 @@ Keys (P = "tandem:"):
                          (what result() blocks on: it returns whenever it is called)
     P queued:{queue}     zset: queued job ids by submission order (queue positions)
     P running            zset: claimed job ids (what the reaper checks)
-    P worker:{id}        string with a TTL: the worker's lease (its end, on the writer's clock),
-                         renewed by its heartbeat
+    P worker:{id}        string with a TTL: the worker's lease, "end:<t>" (its end, on the
+                         writer's clock), renewed by its heartbeat; an older release's value
+                         (its beat time) is alive while the key exists
     P seq                counter: submission order
     <queue>[sep<step>]   Kombu's broker lists (message.py): a job's Celery message is pushed
                          by the same script that records or requeues the job
