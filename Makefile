@@ -24,6 +24,11 @@ demo: $(STAMP)
 # headless Chromium through its matching chromedriver: apt packages pip cannot put in .venv.
 APT_NEEDS := $(if $(shell command -v redis-server),,redis-server) \
 	$(if $(shell command -v chromium),,chromium) $(if $(shell command -v chromedriver),,chromium-driver)
+# Two pytest processes (pytest-xdist): alone, one left a core idle 40% of the time, its tests
+# mostly waiting on one Python thread or on a process they started. tests/conftest.py keeps each
+# module (and the modules sharing the session's fleets) in one process. `make test XDIST=` runs
+# the suite in one process.
+XDIST ?= -n 2
 test: $(STAMP)
 	@need="$(strip $(APT_NEEDS))"; [ -z "$$need" ] || { \
 	  echo "make test: the tests need Debian's $$need, not on PATH; installing"; \
@@ -33,7 +38,7 @@ test: $(STAMP)
 	  fi; \
 	  apt-get update -qq && apt-get install -y -qq $$need; \
 	}
-	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q --durations=25 $(XDIST) $(PYTEST_ARGS)
 
 # Line coverage of the product packages over the whole suite (in-process code only: what the
 # worker and server processes the tests start run is not counted).

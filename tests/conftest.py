@@ -9,6 +9,12 @@ import os
 
 import pytest
 
+# Under pytest-xdist (`make test` runs two processes: alone, one left a core idle 40% of the
+# time, a test mostly waiting on one Python thread or on a process it started) each process and
+# every worker or server it starts gets one OpenMP thread: two processes of two threads each on
+# two cores would make OpenMP's barriers wait on descheduled threads. Set before torch loads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines the tests start stay eager unless a test asks for the captured step (EngineConfig
@@ -151,3 +157,56 @@ def models_fleet(tmp_path_factory, smollm2_dir, tiny_llama_dir):
         yield fleet
     finally:
         fleet.stop()
+
+
+# The session's fleets are processes, started once per pytest process: so that each starts once
+# under xdist, the modules that use one run in one xdist process, one after another (they rely
+# on a fleet that is idle when they start). Every other module is a unit of its own, so its
+# module-scoped fixtures (a redis-server, a worker of its own) start once too.
+FLEET_FIXTURES = frozenset({"shared_fleet", "models_fleet"})
+FLEET_MODULES = frozenset(
+    f"tests/{name}.py"
+    for name in (
+        "test_agent_libraries",
+        "test_bad_requests",
+        "test_fleet_models",
+        "test_image_limits",
+        "test_jobs_logprobs",
+        "test_jobs_tools",
+        "test_serve",
+        "test_serve_fuzz",
+        "test_serve_n",
+        "test_serve_prompt_logprobs",
+        "test_serve_tools",
+    )
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        if FLEET_FIXTURES.intersection(item.fixturenames) and module not in FLEET_MODULES:
+            raise pytest.UsageError(f"{module} uses a session fleet: add it to FLEET_MODULES in tests/conftest.py")
+
+
+def _xdist_scheduler():
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FleetScheduling(LoadScopeScheduling):
+        """xdist's per-module scheduling ("loadfile"), with the fleet modules as one unit."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "fleets" if module in FLEET_MODULES else module
+
+    return FleetScheduling
+
+
+try:
+    import xdist  # noqa: F401
+except ImportError:  # the suite runs in one process
+    pass
+else:
+
+    def pytest_xdist_make_scheduler(config, log):
+        return _xdist_scheduler()(config, log)

@@ -12,7 +12,8 @@ only one on the vision queue). The session's second fleet, `ModelsFleet` (two mo
 Redis: SmolLM2 and the tiny Llama), serves test_fleet_models and test_serve's SmolLM2 tests:
 apart from the first, because a fleet of two models refuses a request that names none.
 
-The rule for its users: tests run one at a time, so a test that finishes its jobs (or cancels
+The rule for its users: tests run one at a time (under pytest-xdist, every module that uses a fleet
+runs in one process: FLEET_MODULES in tests/conftest.py), so a test that finishes its jobs (or cancels
 them and waits for their end) leaves the fleet idle for the next one; a test never counts every
 job in Redis, only those it made (new ids since it looked, or ids with its module's prefix)."""
 

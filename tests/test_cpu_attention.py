@@ -28,13 +28,21 @@ PAD = 0  # the block that padding entries of block tables point at
 @pytest.fixture
 def cpp():
     """The C++ op, built: skipped where there is no compiler or it is turned off, and a
-    failure, not a silent comparison of the fallback with itself, when it does not build."""
+    failure, not a silent comparison of the fallback with itself, when it does not build.
+    It runs on two threads whatever the suite's setting (one per xdist process: conftest.py),
+    so that the kernel's at::parallel_for splits are what is compared."""
     if ca._mode() == "torch":
         pytest.skip("TANDEM_CPU_ATTENTION=torch")
     if not ca.available():
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             pytest.skip("no C++ compiler")
         pytest.fail(f"the C++ op did not build: {ca.build_info().get('error')}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def make_batch(ctx_lens, q_lens, nh, nkv, hd, dtype, bs=16, seed=0, garbage=float("nan")):
