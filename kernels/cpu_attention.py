@@ -20,7 +20,7 @@ place, never past its context, with a fused online softmax in float32: the torch
 (kernels/paged_attention.py) copies every context into a contiguous tensor first, and needs
 the padding of block tables to point at a zeroed block; this one needs neither.
 
-The C++ op is compiled on first use (torch.utils.cpp_extension, g++ and ninja), into
+The C++ op is compiled on first use (kernels/cpp_build.py: torch.utils.cpp_extension, g++ and ninja), into
 $TANDEM_CACHE_DIR (or ~/.cache/tandem)/torch_extensions/<key>: the key names torch's version, the
 Python ABI, the SIMD level the op is compiled for and a hash of the CPU's flags, the
 compiler flags and the source's path, so a cache shared between machines, environments or
@@ -38,17 +38,13 @@ block_tables.shape[1] * block_size, and every block id the context needs in rang
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import subprocess
-import sys
 import threading
-import time
-import warnings
 
 import torch
 
+from kernels import cpp_build
 from kernels.paged_attention import gather_blocks, prefill_attention
 from kernels.paged_attention import write_kv_padded as write_kv_torch
 
@@ -57,76 +53,17 @@ logger = logging.getLogger(__name__)
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cpp")
 _NAME = "tandem_cpu_attention"
 
-# Build flags per SIMD level, as inductor compiles its own CPU kernels: the CPU_CAPABILITY_*
-# macro selects at::vec's intrinsics, the -m flags let the compiler emit them. The level is
-# the one torch itself dispatches to here (it checks the OS saves the wide registers too).
-_ISA_FLAGS = {
-    "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mf16c"],
-    "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
-}
-
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _info: dict[str, object] = {}
 
 
 def _mode() -> str:
-    mode = os.environ.get("TANDEM_CPU_ATTENTION", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "cpp", "torch"):
-        raise ValueError(f"TANDEM_CPU_ATTENTION must be auto, cpp or torch, got {mode!r}")
-    return mode
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
-    except OSError:
-        line = ""
-    return " ".join(sorted(line.partition(":")[2].split()))
-
-
-def _build_config() -> tuple[str, list[str]]:
-    """(build directory, compiler flags)."""
-    isa = torch.backends.cpu.get_cpu_capability()
-    cflags = ["-O3", "-fopenmp", "-DNDEBUG", *_ISA_FLAGS.get(isa, [])]
-    # The source's path too: ninja rebuilds when the command it recorded changes, and two
-    # checkouts sharing one folder (a worker of each, one venv) rebuilt it at every start, for
-    # 12 to 69 s, each build holding the folder's lock against the other's workers.
-    digest = hashlib.sha256(f"{_cpu_flags()}|{' '.join(cflags)}|{_SOURCE}".encode()).hexdigest()[:12]
-    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
-    key = f"torch-{torch.__version__}-{sys.implementation.cache_tag}-{isa.lower()}-{digest}"
-    return os.path.join(root, "torch_extensions", _NAME, key), cflags
+    return cpp_build.mode("TANDEM_CPU_ATTENTION")
 
 
 def _build() -> None:
-    t0 = time.perf_counter()
-    # Importing cpp_extension warns on a host without CUDA that it found no CUDA runtime,
-    # which says nothing about this CPU-only build.
-    ext_logger = logging.getLogger("torch.utils.cpp_extension")
-    level = ext_logger.level
-    ext_logger.setLevel(logging.ERROR)
-    try:
-        from torch.utils import cpp_extension
-    finally:
-        ext_logger.setLevel(level)
-
-    build_dir, cflags = _build_config()
-    os.makedirs(build_dir, exist_ok=True)
-    # at::parallel_for's OpenMP loop is compiled into the op (ATen's headers inline it), so
-    # the op runs on one thread unless it is compiled with -fopenmp; linking libgomp names
-    # the runtime torch has already loaded (same soname), not a second one.
-    cpp_extension.load(
-        name=_NAME,
-        sources=[_SOURCE],
-        extra_cflags=cflags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=build_dir,
-        is_python_module=False,
-        verbose=False,
-    )
-    _info.update(build_dir=build_dir, load_seconds=time.perf_counter() - t0)
-    logger.info("tandem_cpu_attention ready in %.1f s (%s)", _info["load_seconds"], build_dir)
+    _info.update(cpp_build.load(_NAME, _SOURCE))
 
 
 def _ensure_built() -> bool:
@@ -135,19 +72,8 @@ def _ensure_built() -> bool:
     if _loaded is None:
         with _lock:
             if _loaded is None:
-                try:
-                    _build()
-                    _loaded = True
-                except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:
-                    if _mode() == "cpp":
-                        raise
-                    _info["error"] = f"{type(exc).__name__}: {exc}"
-                    warnings.warn(
-                        f"kernels.cpu_attention: the C++ op did not build, using the torch path ({_info['error']})",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-                    _loaded = False
+                # _build is looked up here, at the call, so a test can stand a failing one in.
+                _loaded = cpp_build.try_build(_build, _mode() == "cpp", _info, "kernels.cpu_attention")
     return _loaded
 
 

@@ -1,0 +1,86 @@
+// What the two halves of the quantized linear kernels share: kernels/quant_linear.cpp (the
+// activations' quantization, the per-block tile kernels, dispatch and the ops) and
+// kernels/quant_linear_batch.cpp (Q4_1 batches over repacked weights). The design notes are at
+// the top of quant_linear.cpp; kernels/quant_linear.py gives the block layouts and the math.
+
+#pragma once
+
+#include <c10/util/Half.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define TQ_X86 1
+#endif
+
+#include <cstdint>
+#include <cstring>
+
+namespace tq {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4_1Bytes = 20;  // fp16 d, fp16 m, 16 bytes of nibbles
+constexpr int64_t kQ8_0Bytes = 34;  // fp16 d, 32 int8
+constexpr int kMaxTile = 4;         // activation rows per pass over a sub-chunk of weights
+constexpr int64_t kMaxSubRows = 64;
+// Weight bytes per sub-chunk: re-read by every tile of activation rows, so kept within L1.
+constexpr int64_t kSubChunkBytes = 16 * 1024;
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kVnni = 2 };
+
+// Quantized activations, row-major: q [M, K], d and s [M, K / 32] (s = d * sum(q), Q4_1 only).
+struct Acts {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t k;
+  int64_t kb;
+};
+
+// Where a call's results go: y [M, ldy] in float32 or bfloat16, plus bias [N] (or null).
+struct Output {
+  void* y;
+  bool bf16;
+  int64_t ldy;
+  const float* bias;
+};
+
+// Stores the partial results of one tile, res[i * rows + r] for output row n0 + r of
+// activation row m0 + i (i < mt), adding the bias (quant_linear.cpp).
+void store_tile(const Output& out, const float* res, int mt, int64_t rows, int64_t m0, int64_t n0);
+
+// Q4_1 over repacked weights for M >= kMaxTile activation rows, on the avx2 or vnni path
+// (quant_linear_batch.cpp): false, having done nothing, where `isa` has no such path. The
+// threads split the N outputs with at::parallel_for(grain), each taking sub-chunks of `sub`
+// weight rows.
+bool q4_1_batch(int isa, const Acts& a, int64_t m, const uint8_t* w, int64_t n, int64_t row_bytes, int64_t sub,
+                int64_t grain, const Output& out);
+
+#ifdef TQ_X86
+
+#define TQ_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TQ_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+TQ_AVX2 inline float half_at_f16c(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+TQ_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// A Q4_1 block's 32 nibbles as bytes 0..15, in the activations' order: low nibbles (weights
+// 0..15) in the low half, high nibbles (16..31) in the high half.
+TQ_AVX2 inline __m256i unpack_q4(const uint8_t* blk) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+#endif  // TQ_X86
+
+}  // namespace tq

@@ -1,0 +1,191 @@
+// Q4_1 batches (kMaxTile activation rows and more) over repacked weights, on the AVX2 and
+// AVX-512 VNNI paths: the part of the quantized linear kernels that q4_1_batch (declared in
+// kernels/quant_linear.h) runs for kernels/quant_linear.cpp.
+//
+// The tile kernels of quant_linear.cpp pay, for every block's product, a conversion and an FMA
+// with its own scale per activation row, on top of the integer dot: the float work, not the
+// dot, bounds a batch. Here 8 blocks share them. Both sides are laid out "transposed" per
+// group of 8 blocks: vector t of a group holds dword t (bytes 4t..4t+3) of each of its 8
+// blocks, lane l for block l. The 8 integer dot instructions of a group then leave the full
+// integer sum of block l in lane l, and one conversion and two FMAs (d * da, and m * sa, each a
+// plain 8-float load) finish 8 blocks. A thread repacks each sub-chunk of weight rows once
+// (unpack, 8x8 dword transpose) and every tile of activation rows reuses it from L1; the
+// activations are repacked once per call.
+
+#include "quant_linear.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <memory>
+
+namespace tq {
+
+#ifdef TQ_X86
+
+namespace {
+
+constexpr int64_t kGroup = 8;                                    // blocks per group
+constexpr int64_t kGroupBytes = kGroup * kBlock + 2 * kGroup * 4;  // 8 x 32 nibble bytes, 8 d, 8 m
+
+TQ_AVX2 inline void transpose8x8_epi32(__m256i* r) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
+// Rows of Q4_1 blocks -> per row, ceil(KB / 8) groups of kGroupBytes; blocks past KB are zero.
+TQ_AVX2 void pack_q4_1(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t kb, uint8_t* out) {
+  const int64_t groups = (kb + kGroup - 1) / kGroup;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* dst = out + (r * groups + g) * kGroupBytes;
+      float* dv = reinterpret_cast<float*>(dst + kGroup * kBlock);
+      __m256i v[8];
+      for (int l = 0; l < 8; ++l) {
+        const int64_t b = g * kGroup + l;
+        if (b < kb) {
+          const uint8_t* blk = row + b * kQ4_1Bytes;
+          v[l] = unpack_q4(blk);
+          dv[l] = half_at_f16c(blk);
+          dv[kGroup + l] = half_at_f16c(blk + 2);
+        } else {
+          v[l] = _mm256_setzero_si256();
+          dv[l] = dv[kGroup + l] = 0.f;
+        }
+      }
+      transpose8x8_epi32(v);
+      for (int t = 0; t < 8; ++t) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + t, v[t]);
+    }
+  }
+}
+
+// (The buffers are not 32-byte aligned: every load is unaligned.)
+// Per group: 8 int32 lanes, lane l = sum of block l's 32 products. AVX2: a pair's products sum
+// to at most 2 * 15 * 127 in int16, so eight vpmaddubsw results add up in int16 (30480 <
+// 32767) before one vpmaddwd widens them.
+TQ_AVX2 inline __m256i group_dot_avx2(const __m256i* w, const __m256i* a) {
+  __m256i s = _mm256_maddubs_epi16(_mm256_loadu_si256(w), _mm256_loadu_si256(a));
+  for (int t = 1; t < 8; ++t) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_loadu_si256(w + t), _mm256_loadu_si256(a + t)));
+  return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+TQ_VNNI inline __m256i group_dot_vnni(const __m256i* w, const __m256i* a) {
+  // Two chains: one vpdpbusd after another in a single register waits out its latency.
+  __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+  for (int t = 0; t < 8; t += 2) {
+    s0 = _mm256_dpbusd_epi32(s0, _mm256_loadu_si256(w + t), _mm256_loadu_si256(a + t));
+    s1 = _mm256_dpbusd_epi32(s1, _mm256_loadu_si256(w + t + 1), _mm256_loadu_si256(a + t + 1));
+  }
+  return _mm256_add_epi32(s0, s1);
+}
+
+// Activations repacked like the weights: q [M, groups, 8 t, 8 l] dwords, d and s [M, groups * 8].
+struct PackedActs {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t groups;
+};
+
+#define TQ_DEFINE_PACKED(ATTR, SUFFIX)                                                                           \
+  template <int MT>                                                                                              \
+  ATTR void q4_1_packed_##SUFFIX(const uint8_t* pw, int64_t rows, const PackedActs& a, int64_t m0, float* res) { \
+    const int64_t gs = a.groups;                                                                                 \
+    for (int64_t r = 0; r < rows; ++r) {                                                                         \
+      __m256 acc[MT];                                                                                            \
+      for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();                                                 \
+      for (int64_t g = 0; g < gs; ++g) {                                                                         \
+        const uint8_t* grp = pw + (r * gs + g) * kGroupBytes;                                                    \
+        const __m256i* wv = reinterpret_cast<const __m256i*>(grp);                                               \
+        const __m256 dw = _mm256_loadu_ps(reinterpret_cast<const float*>(grp + kGroup * kBlock));                \
+        const __m256 mw = _mm256_loadu_ps(reinterpret_cast<const float*>(grp + kGroup * kBlock) + kGroup);       \
+        for (int i = 0; i < MT; ++i) {                                                                           \
+          const int64_t ag = (m0 + i) * gs + g;                                                                  \
+          const __m256i* av = reinterpret_cast<const __m256i*>(a.q + ag * kGroup * kBlock);                      \
+          const __m256 p = _mm256_cvtepi32_ps(group_dot_##SUFFIX(wv, av));                                       \
+          acc[i] = _mm256_fmadd_ps(p, _mm256_mul_ps(dw, _mm256_loadu_ps(a.d + ag * kGroup)), acc[i]);            \
+          acc[i] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a.s + ag * kGroup), acc[i]);                              \
+        }                                                                                                        \
+      }                                                                                                          \
+      for (int i = 0; i < MT; ++i) res[i * rows + r] = hsum8(acc[i]);                                            \
+    }                                                                                                            \
+  }
+
+TQ_DEFINE_PACKED(TQ_AVX2, avx2)
+TQ_DEFINE_PACKED(TQ_VNNI, vnni)
+
+// The activations in the packed path's layout (PackedActs); blocks past K are zero.
+void pack_acts(const Acts& a, int64_t m, int64_t groups, int8_t* q, float* d, float* s) {
+  at::parallel_for(0, m, std::max<int64_t>(1, 4096 / groups), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t l = 0; l < kGroup; ++l) {
+          const int64_t b = g * kGroup + l, o = (i * groups + g) * kGroup + l;
+          const bool in = b < a.kb;
+          d[o] = in ? a.d[i * a.kb + b] : 0.f;
+          s[o] = in ? a.s[i * a.kb + b] : 0.f;
+          for (int64_t t = 0; t < 8; ++t) {
+            int8_t* dst = q + (((i * groups + g) * 8 + t) * kGroup + l) * 4;
+            if (in)
+              std::memcpy(dst, a.q + i * a.k + b * kBlock + 4 * t, 4);
+            else
+              std::memset(dst, 0, 4);
+          }
+        }
+  });
+}
+
+}  // namespace
+
+bool q4_1_batch(int isa, const Acts& a, int64_t m, const uint8_t* w, int64_t n, int64_t row_bytes, int64_t sub,
+                int64_t grain, const Output& out) {
+  using PackedTileFn = void (*)(const uint8_t* pw, int64_t rows, const PackedActs& a, int64_t m0, float* res);
+  static const PackedTileFn avx2[kMaxTile + 1] = {nullptr, &q4_1_packed_avx2<1>, &q4_1_packed_avx2<2>,
+                                                  &q4_1_packed_avx2<3>, &q4_1_packed_avx2<4>};
+  static const PackedTileFn vnni[kMaxTile + 1] = {nullptr, &q4_1_packed_vnni<1>, &q4_1_packed_vnni<2>,
+                                                  &q4_1_packed_vnni<3>, &q4_1_packed_vnni<4>};
+  if ((isa != kAvx2 && isa != kVnni) || m < kMaxTile) return false;
+  const PackedTileFn* tiles = isa == kVnni ? vnni : avx2;
+  const int64_t kb = a.kb, groups = (kb + kGroup - 1) / kGroup;
+  std::unique_ptr<int8_t[]> pq(new int8_t[m * groups * kGroup * kBlock]);
+  std::unique_ptr<float[]> pds(new float[2 * m * groups * kGroup]);
+  pack_acts(a, m, groups, pq.get(), pds.get(), pds.get() + m * groups * kGroup);
+  const PackedActs pa{pq.get(), pds.get(), pds.get() + m * groups * kGroup, groups};
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    float res[kMaxTile * kMaxSubRows];
+    std::unique_ptr<uint8_t[]> pw(new uint8_t[sub * groups * kGroupBytes]);
+    for (int64_t n0 = begin; n0 < end; n0 += sub) {
+      const int64_t rows = std::min(sub, end - n0);
+      pack_q4_1(w + n0 * row_bytes, row_bytes, rows, kb, pw.get());
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxTile) {
+        const int mt = static_cast<int>(std::min<int64_t>(kMaxTile, m - m0));
+        tiles[mt](pw.get(), rows, pa, m0, res);
+        store_tile(out, res, mt, rows, m0, n0);
+      }
+    }
+  });
+  return true;
+}
+
+#else  // no x86: every batch takes the tile kernels
+
+bool q4_1_batch(int, const Acts&, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, const Output&) {
+  return false;
+}
+
+#endif  // TQ_X86
+
+}  // namespace tq
