@@ -35,8 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtypes",
         default="float32,float32-compiled,bfloat16,bfloat16-compiled,bfloat16-int4,bfloat16-int4-compiled",
-        help="Tandem's, comma-separated: <dtype>[-int4][-compiled]; -int4: the layers' weights at 4 bits "
-        "(quantization='int4'); -compiled: the captured decode step (enforce_eager=False)",
+        help="Tandem's, comma-separated: <dtype>[-int4|-gguf][-compiled]; -int4: the layers' weights at 4 bits "
+        "(quantization='int4'); -gguf: the GGUF's Q4_1/Q8_0 blocks as shipped, Tandem's integer kernel "
+        "(quantization='gguf'); -compiled: the captured decode step (enforce_eager=False)",
     )
     p.add_argument("--threads", type=int, default=None, help="both contestants' threads (default: torch's)")
     p.add_argument("--llamacpp-python", default=LLAMACPP_PYTHON, help="the peer venv's Python")
@@ -77,7 +78,7 @@ def _median_row(name: str, precision: str, runs: list[dict], extra: dict) -> dic
 
 def run_tandem(spec: str, data: dict, threads: int, model: str | None = None) -> dict:
     """One sequence at a time through LLMEngine, its token times taken as each step streams them.
-    `spec`: a dtype, or "<dtype>-int4" for 4-bit weights."""
+    `spec`: a dtype, "<dtype>-int4" for torch's 4-bit kernel, "<dtype>-gguf" for the GGUF's blocks."""
     import torch
 
     from runtime.llm.engine import EngineConfig, LLMEngine
@@ -85,9 +86,9 @@ def run_tandem(spec: str, data: dict, threads: int, model: str | None = None) ->
 
     torch.set_num_threads(threads)
     dtype, *options = spec.split("-")
-    if set(options) - {"int4", "compiled"}:
-        raise ValueError(f"--dtypes: {spec!r} must be <dtype>[-int4][-compiled]")
-    quant = "int4" if "int4" in options else None
+    if set(options) - {"int4", "gguf", "compiled"} or {"int4", "gguf"} <= set(options):
+        raise ValueError(f"--dtypes: {spec!r} must be <dtype>[-int4|-gguf][-compiled]")
+    quant = next((q for q in ("int4", "gguf") if q in options), None)
     compiled = "compiled" in options
     n = data["max_tokens"]
     longest = max(len(p) for p in data["prompts"] + [data["warmup"]])
@@ -127,7 +128,11 @@ def run_tandem(spec: str, data: dict, threads: int, model: str | None = None) ->
     finally:
         engine.close()
     assert all(len(r["token_times"]) == n for r in runs), "every run must make exactly max_tokens tokens"
-    precision = f"{dtype}, layers at 4 bits (int4)" if quant else f"{dtype} (GGUF dequantized)"
+    precision = {
+        "int4": f"{dtype}, layers at 4 bits (int4)",
+        "gguf": f"{dtype}, GGUF Q4_1/Q8_0 blocks, 8-bit acts",
+        None: f"{dtype} (GGUF dequantized)",
+    }[quant]
     precision += ", captured" if compiled else ""
     return _median_row(f"tandem {spec}", precision, runs[1:], {"load_s": load_s})
 

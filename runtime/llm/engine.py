@@ -50,7 +50,7 @@ from runtime.threads import settle_native_pools
 from schedulers import ContinuousBatchScheduler, DynamicBatchConfig, SchedulerConfig, StaticBatchScheduler
 
 SCHEDULERS = ("continuous", "static")
-QUANTIZATIONS = (None, "int4")
+QUANTIZATIONS = (None, "int4", "gguf")
 # Whether steps stay eager unless asked otherwise (BENCHMARKS.md, "A captured decode step").
 DEFAULT_ENFORCE_EAGER = True
 
@@ -73,7 +73,9 @@ class EngineConfig:
     cache_dir: str | None = None  # converted GGUF models, and the captured step's inductor cache
     # None: weights in `dtype`. "int4": the decoder layers' weights held at 4 bits (groups of
     # 32, as GGUF's Q4_1), read by torch's CPU int4 kernel; CPU and bfloat16 only. Off by
-    # default: see BENCHMARKS.md for its speed and quality figures.
+    # default: see BENCHMARKS.md for its speed and quality figures. "gguf": a .gguf model's
+    # Q4_1 and Q8_0 layers stay in their blocks as shipped, read by Tandem's integer kernel
+    # with 8-bit activations (kernels/quant_linear.py); float32 or bfloat16, CPU.
     quantization: str | None = None
     # False: decode-only steps run a graph captured by torch.compile once it is compiled (on a
     # background thread; eager until then). True: always eager, as vLLM's flag. None: the
@@ -125,7 +127,14 @@ class LLMEngine:
                 f"quantization='int4' runs on CPU in bfloat16 (torch's int4 kernel takes bfloat16 activations; in "
                 f"float32 it is 3x to 30x slower than the plain path), got device {device!r} and dtype {self.dtype!r}"
             )
+        if c.quantization == "gguf" and device != "cpu":
+            raise ValueError(f"quantization='gguf' runs on CPU (the kernel is C++ for x86), got device {device!r}")
         self.loaded = load_model(c.model, dtype=self.dtype, device=device, cache_dir=c.cache_dir)
+        if c.quantization == "gguf" and self.loaded.gguf_path is None:
+            raise ValueError(
+                f"quantization='gguf' keeps a GGUF file's blocks, but model={c.model!r} is a Hugging Face folder: "
+                "pass the .gguf file (or leave model out for the default SmolLM2 GGUF)"
+            )
         self.tokenizer = self.loaded.tokenizer
         model_max = getattr(self.loaded.config, "max_position_embeddings", 2048) or 2048
         self.max_model_len = c.max_model_len or min(model_max, 2048)

@@ -45,8 +45,9 @@ def add_engine_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
     p.add_argument(
         "--quantization",
         default=None,
-        choices=["int4"],
-        help="int4: the layers' weights held at 4 bits (CPU, bfloat16); off by default (BENCHMARKS.md)",
+        choices=["int4", "gguf"],
+        help="int4: the layers' weights held at 4 bits (CPU, bfloat16); gguf: a .gguf model's Q4_1/Q8_0 layers "
+        "kept as shipped, read by Tandem's integer kernel (CPU); off by default (BENCHMARKS.md)",
     )
     p.add_argument(
         "--enforce-eager",

@@ -59,6 +59,7 @@ class LoadedModel:
     hf_dir: str
     name: str
     dtype: str = "float32"
+    gguf_path: str | None = None  # the GGUF file the folder was converted from, if any
 
 
 def default_model_path() -> str:
@@ -226,6 +227,13 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
 
 def resolve_hf_dir(model: str | None, cache_dir: str | None = None) -> tuple[str, str]:
     """(hf_dir, name) for `model`, converting a GGUF file on first use."""
+    hf_dir, name, _ = resolve_model(model, cache_dir)
+    return hf_dir, name
+
+
+def resolve_model(model: str | None, cache_dir: str | None = None) -> tuple[str, str, str | None]:
+    """(hf_dir, name, gguf_path) for `model`: gguf_path is the .gguf file (None for a Hugging
+    Face folder), whose quantized blocks a model may keep (runtime/llm/gguf_blocks.py)."""
     if model is None:
         model = default_model_path()
     if not isinstance(model, str) or not model:
@@ -239,7 +247,7 @@ def resolve_hf_dir(model: str | None, cache_dir: str | None = None) -> tuple[str
             f"config.json + *.safetensors or a .gguf file, or leave it out for the default SmolLM2"
         )
     if os.path.isdir(path) and _is_hf_folder(path):
-        return path, os.path.basename(os.path.normpath(path))
+        return path, os.path.basename(os.path.normpath(path)), None
     if os.path.isdir(path):
         path = _single_gguf(path)
     if not path.endswith(".gguf"):
@@ -247,7 +255,7 @@ def resolve_hf_dir(model: str | None, cache_dir: str | None = None) -> tuple[str
     out = _gguf_cache_dir(path, cache_dir)
     if not _is_hf_folder(out):
         convert_gguf(path, out)
-    return out, os.path.splitext(os.path.basename(path))[0]
+    return out, os.path.splitext(os.path.basename(path))[0], os.path.abspath(path)
 
 
 def _eos_ids(hf_dir: str, config: Any, tokenizer: Any) -> list[int]:
@@ -277,7 +285,7 @@ def load_model(
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
-    hf_dir, name = resolve_hf_dir(model, cache_dir)
+    hf_dir, name, gguf_path = resolve_model(model, cache_dir)
     config = AutoConfig.from_pretrained(hf_dir)
     archs = list(getattr(config, "architectures", None) or [])
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
@@ -296,4 +304,5 @@ def load_model(
         hf_dir=hf_dir,
         name=name,
         dtype=dtype,
+        gguf_path=gguf_path,
     )

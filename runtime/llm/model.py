@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import paged_attention as cpu_attn
+from kernels import quant_linear
 from runtime.dtypes import cpu_has_native_bf16
 
 
@@ -172,6 +173,10 @@ def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or cpu_has_native_bf16()
 
 
+_QUANT_OPS = {"q4_1": quant_linear.q4_1_linear, "q8_0": quant_linear.q8_0_linear}
+_QUANT_BYTES = {"q4_1": quant_linear.Q4_1_BYTES, "q8_0": quant_linear.Q8_0_BYTES}
+
+
 class PackedLinear(nn.Linear):
     """nn.Linear that can pre-pack its weight into oneDNN's blocked layout on CPU. Plain
     F.linear re-lays the weight out on every call, which costs ~30% of a small-batch decode.
@@ -183,6 +188,7 @@ class PackedLinear(nn.Linear):
 
     packed: bool
     int4_group: int  # > 0: the weight is held at 4 bits in groups of this size (quantize_int4)
+    quant_kind: str | None  # "q4_1" / "q8_0": the weight is a GGUF's blocks as shipped (hold_blocks)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, **kw) -> None:
         super().__init__(in_features, out_features, bias, **kw)
@@ -192,6 +198,7 @@ class PackedLinear(nn.Linear):
         self.packed = False
         self.int4_group = 0
         self.int4_scales: nn.Parameter | None = None
+        self.quant_kind = None
         # Set by a captured step (runtime/llm/compiled.py): while torch.compile traces, the
         # layer enters the graph as the opaque op tandem::linear (runtime/llm/graph_ops.py).
         self.graph_handle: int | None = None
@@ -224,11 +231,30 @@ class PackedLinear(nn.Linear):
         return True
 
     @torch.no_grad()
+    def hold_blocks(self, kind: str, blocks: torch.Tensor) -> None:
+        """Hold the weight as a GGUF's quantized blocks (uint8 [out, in / 32 * block bytes]),
+        read as they are by kernels/quant_linear.py's integer kernel with 8-bit activations:
+        a one-sequence decode reads every weight once a token, and the blocks are 20 (Q4_1) or
+        34 (Q8_0) bytes per 32 weights, against 128 in float32."""
+        if kind not in _QUANT_OPS:
+            raise ValueError(f"kind must be one of {sorted(_QUANT_OPS)}, got {kind!r}")
+        expect = (self.out_features, self.in_features // quant_linear.BLOCK * _QUANT_BYTES[kind])
+        if self.in_features % quant_linear.BLOCK or blocks.dtype != torch.uint8 or tuple(blocks.shape) != expect:
+            raise ValueError(
+                f"blocks: a {self.in_features} -> {self.out_features} layer holds {kind} blocks as uint8 {expect}, "
+                f"got {blocks.dtype} {tuple(blocks.shape)}"
+            )
+        if self.packed or self.int4_group or self.quant_kind:
+            raise ValueError("hold_blocks: the layer's weight is already packed or quantized")
+        self.weight = nn.Parameter(blocks.to(self.weight.device).contiguous(), requires_grad=False)
+        self.quant_kind = kind
+
+    @torch.no_grad()
     def pack(self, batch_hint: int) -> bool:
         if self.packed:
             return True
-        if self.int4_group:
-            return False  # held at 4 bits: torch's int4 kernel reads it, not oneDNN
+        if self.int4_group or self.quant_kind:
+            return False  # held at 4 bits (or as GGUF blocks): their own kernel reads it, not oneDNN
         w = self.weight.data
         probe = torch.randn(3, self.in_features, dtype=w.dtype)
         want = F.linear(probe, w, self.bias)
@@ -246,6 +272,8 @@ class PackedLinear(nn.Linear):
             return torch.ops.tandem.linear(x, self.graph_handle)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.quant_kind:
+            return _QUANT_OPS[self.quant_kind](x, self.weight, self.bias)
         if self.int4_group:
             y = torch._weight_int4pack_mm_for_cpu(x, self.weight, self.int4_group, self.int4_scales)
             return y if self.bias is None else y + self.bias
@@ -427,6 +455,7 @@ class LlamaModel(nn.Module):
         batch_hint: int = 16,
         pack_weights: bool | None = None,
         quantization: str | None = None,
+        gguf_path: str | None = None,
     ) -> LlamaModel:
         """The model on `device` in `dtype`, weights taken from a Hugging Face state_dict
         (consumed: each tensor is dropped from it once copied, so peak memory stays near one
@@ -446,6 +475,12 @@ class LlamaModel(nn.Module):
         model.cos, model.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
         if quantization == "int4":
             model.quantize_int4()
+        elif quantization == "gguf":
+            if gguf_path is None:
+                raise ValueError("quantization='gguf' keeps a GGUF file's blocks: the model must be a .gguf file")
+            from runtime.llm.gguf_blocks import read_blocks
+
+            model.hold_gguf_blocks(read_blocks(gguf_path, spec.num_heads, spec.num_kv_heads))
         pack = onednn_packing_available(device, dtype) if pack_weights is None else pack_weights
         if pack:
             model.pack_linears(batch_hint)
@@ -497,6 +532,33 @@ class LlamaModel(nn.Module):
                             for n, w in zip(names, weights)
                         ),
                     )
+
+    def hold_gguf_blocks(self, blocks: dict) -> int:
+        """Hold every linear layer whose parts a GGUF ships as Q4_1 or Q8_0 as those blocks
+        (PackedLinear.hold_blocks; `blocks`: runtime/llm/gguf_blocks.read_blocks' dict). A fused
+        layer takes its parts' rows in order; one whose parts are of other kinds (or mixed)
+        stays in float. A tied lm_head takes the embedding's blocks, and the embedding keeps
+        its float rows for lookups. Returns how many layers hold blocks."""
+        held = 0
+
+        def hold(module: PackedLinear, names: list[str]) -> None:
+            nonlocal held
+            parts = [blocks.get(n) for n in names]
+            if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+                return
+            module.hold_blocks(parts[0].kind, torch.cat([p.blocks for p in parts]))
+            held += 1
+
+        for i, layer in enumerate(self.layers):
+            a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            hold(layer.qkv_proj, [a + f"{n}_proj.weight" for n in "qkv"])
+            hold(layer.o_proj, [a + "o_proj.weight"])
+            hold(layer.gate_up_proj, [m + "gate_proj.weight", m + "up_proj.weight"])
+            hold(layer.down_proj, [m + "down_proj.weight"])
+        head = "embed_tokens.weight" if self.spec.tie_word_embeddings else "lm_head.weight"
+        if head in blocks:
+            hold(self.lm_head, [head])  # a new Parameter: a tied embedding keeps its own
+        return held
 
     def quantize_int4(self, group: int = 32) -> int:
         """Hold the decoder layers' linear weights at 4 bits (PackedLinear.quantize_int4); the

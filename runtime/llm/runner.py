@@ -219,6 +219,7 @@ class ModelRunner(CapturedDecode):
             self.max_model_len,
             batch_hint=self._max_num_seqs,
             quantization=quantization,
+            gguf_path=loaded.gguf_path,
         )
         self.memory.reserve(f"{self.memory_owner}.weights", self.model.num_parameter_bytes())
 
