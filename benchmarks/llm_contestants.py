@@ -132,6 +132,7 @@ def _tandem(args, data: dict) -> dict:
         enable_prefix_caching=False,
         kv_cache_bytes=kv_bytes,
         memory=memory,
+        quantization="float",  # vLLM's CPU build runs the GGUF dequantized: the same weights on both sides
     )
     engine = llm.engine
     graph = engine.runner.graph  # enforce_eager=False (TANDEM_ENFORCE_EAGER=0): the captured step

@@ -98,9 +98,10 @@ def add_bench_serve_arguments(p) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="Tandem's and vLLM's")
     p.add_argument(
         "--tandem-quantization",
-        default=None,
-        choices=["int4"],
-        help="Tandem's --quantization (int4: its layers at 4 bits, with --dtype bfloat16)",
+        default="float",
+        choices=["float", "gguf", "int4"],
+        help="Tandem's --quantization (float: weights in --dtype, as vLLM's; gguf: the GGUF's blocks as shipped; "
+        "int4: its layers at 4 bits, with --dtype bfloat16)",
     )
     p.add_argument("--max-num-seqs", type=int, default=16, help="slots of every server (llama.cpp: --parallel)")
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -591,7 +592,12 @@ def precisions(args, gguf_prec: dict | None) -> dict:
         return pair("unknown", f"as that server runs ({flag} {url})")
 
     dequant = ", the GGUF dequantized" if gguf_prec else ""
-    if args.tandem_quantization:
+    if args.tandem_quantization == "gguf":
+        tandem = pair(
+            f"{args.dtype}+gguf",
+            f"{args.dtype} activations quantized to 8 bits per block of 32, the GGUF's Q4_1/Q8_0 blocks as shipped",
+        )
+    elif args.tandem_quantization == "int4":
         tandem = pair(
             f"{args.dtype}+int4",
             f"{args.dtype} activations, the decoder layers' weights at 4 bits (int4: groups of 32 with a scale "

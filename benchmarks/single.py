@@ -88,7 +88,7 @@ def run_tandem(spec: str, data: dict, threads: int, model: str | None = None) ->
     dtype, *options = spec.split("-")
     if set(options) - {"int4", "gguf", "compiled"} or {"int4", "gguf"} <= set(options):
         raise ValueError(f"--dtypes: {spec!r} must be <dtype>[-int4|-gguf][-compiled]")
-    quant = next((q for q in ("int4", "gguf") if q in options), None)
+    quant = next((q for q in ("int4", "gguf") if q in options), "float")
     compiled = "compiled" in options
     n = data["max_tokens"]
     longest = max(len(p) for p in data["prompts"] + [data["warmup"]])
@@ -131,7 +131,7 @@ def run_tandem(spec: str, data: dict, threads: int, model: str | None = None) ->
     precision = {
         "int4": f"{dtype}, layers at 4 bits (int4)",
         "gguf": f"{dtype}, GGUF Q4_1/Q8_0 blocks, 8-bit acts",
-        None: f"{dtype} (GGUF dequantized)",
+        "float": f"{dtype} (GGUF dequantized)",
     }[quant]
     precision += ", captured" if compiled else ""
     return _median_row(f"tandem {spec}", precision, runs[1:], {"load_s": load_s})

@@ -32,7 +32,7 @@ import json, sys, time
 t0 = time.perf_counter()
 from runtime.llm.engine import EngineConfig, LLMEngine
 dtype, _, quant = sys.argv[1].partition("-")
-engine = LLMEngine(EngineConfig(dtype=dtype, device="cpu", quantization=quant or None, enforce_eager=False))
+engine = LLMEngine(EngineConfig(dtype=dtype, device="cpu", quantization=quant or "float", enforce_eager=False))
 served = time.perf_counter() - t0
 engine.runner.graph.done.wait()
 print(json.dumps({"served_s": served, "compiled_s": time.perf_counter() - t0,
@@ -41,7 +41,11 @@ print(json.dumps({"served_s": served, "compiled_s": time.perf_counter() - t0,
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated specs: a dtype or <dtype>-int4")
+    p.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="comma-separated specs: a dtype (weights dequantized to it), <dtype>-int4 or <dtype>-gguf",
+    )
     p.add_argument("--batches", default="1,16", help="running sequences per timed step, comma-separated")
     p.add_argument("--context", type=int, default=128, help="tokens of context per sequence")
     p.add_argument("--repeats", type=int, default=20, help="timed steps (median)")
@@ -59,7 +63,7 @@ def _engine(spec: str, eager: bool, max_num_seqs: int):
             device="cpu",
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=False,
-            quantization=quant or None,
+            quantization=quant or "float",
             enforce_eager=eager,
         )
     )

@@ -103,7 +103,7 @@ def test_int4_greedy_tokens_follow_hf_float32_for_most_of_their_length(oracle, p
     departs from HF float32's is 0.52 for bfloat16 and 0.38 for int4; int4 against bfloat16
     0.58. The bounds catch a broken quantizer (a wrong zero point gives about 0), not noise."""
     expected = [oracle.greedy(p, N_TOKENS)[0] for p in prompts]
-    bf16_tokens = _greedy(None, "bfloat16", prompts)
+    bf16_tokens = _greedy("float", "bfloat16", prompts)
     int4_tokens = _greedy("int4", "bfloat16", prompts)
     bf16, int4 = _agreement(bf16_tokens, expected), _agreement(int4_tokens, expected)
     vs_bf16 = _agreement(int4_tokens, bf16_tokens)
@@ -165,10 +165,10 @@ def test_int4_holds_the_layers_at_a_quarter_of_the_bytes_and_refuses_float32(smo
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int3")
     sizes = {}
-    for q in (None, "int4"):
+    for q in ("float", "int4"):  # None would keep the default GGUF's own blocks (quantization="gguf")
         engine = LLMEngine(EngineConfig(dtype="bfloat16", device="cpu", max_model_len=256, quantization=q))
         sizes[q] = engine.runner.model.num_parameter_bytes()
         layers = engine.runner.model.layers
         assert all(bool(m.int4_group) == (q == "int4") for layer in layers for m in (layer.qkv_proj, layer.down_proj))
         engine.close()
-    assert sizes["int4"] < 0.6 * sizes[None], sizes  # the lm_head and embedding stay bfloat16
+    assert sizes["int4"] < 0.6 * sizes["float"], sizes  # the lm_head and embedding stay bfloat16

@@ -50,7 +50,7 @@ from runtime.threads import settle_native_pools
 from schedulers import ContinuousBatchScheduler, DynamicBatchConfig, SchedulerConfig, StaticBatchScheduler
 
 SCHEDULERS = ("continuous", "static")
-QUANTIZATIONS = (None, "int4", "gguf")
+QUANTIZATIONS = (None, "float", "int4", "gguf")
 # Whether steps stay eager unless asked otherwise (BENCHMARKS.md, "A captured decode step").
 DEFAULT_ENFORCE_EAGER = True
 
@@ -71,11 +71,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     static_max_queue_delay_ms: float = 0.0
     cache_dir: str | None = None  # converted GGUF models, and the captured step's inductor cache
-    # None: weights in `dtype`. "int4": the decoder layers' weights held at 4 bits (groups of
-    # 32, as GGUF's Q4_1), read by torch's CPU int4 kernel; CPU and bfloat16 only. Off by
-    # default: see BENCHMARKS.md for its speed and quality figures. "gguf": a .gguf model's
-    # Q4_1 and Q8_0 layers stay in their blocks as shipped, read by Tandem's integer kernel
-    # with 8-bit activations (kernels/quant_linear.py); float32 or bfloat16, CPU.
+    # None: as the model ships (vLLM's default): "gguf" for a .gguf file on CPU where the kernel
+    # builds, else "float". "float": weights in `dtype` (a GGUF dequantized). "gguf": a .gguf
+    # model's Q4_1 and Q8_0 layers stay in their blocks as shipped, read by Tandem's integer
+    # kernel with 8-bit activations (kernels/quant_linear.py); CPU, float32 or bfloat16; its
+    # quality and speed: BENCHMARKS.md, issue 30, and tests/test_llm_gguf.py. "int4": the decoder
+    # layers' weights requantized to 4 bits for torch's CPU int4 kernel; CPU and bfloat16 only.
     quantization: str | None = None
     # False: decode-only steps run a graph captured by torch.compile once it is compiled (on a
     # background thread; eager until then). True: always eager, as vLLM's flag. None: the
@@ -135,6 +136,7 @@ class LLMEngine:
                 f"quantization='gguf' keeps a GGUF file's blocks, but model={c.model!r} is a Hugging Face folder: "
                 "pass the .gguf file (or leave model out for the default SmolLM2 GGUF)"
             )
+        self.quantization = c.quantization or self._as_shipped(on_cpu)
         self.tokenizer = self.loaded.tokenizer
         model_max = getattr(self.loaded.config, "max_position_embeddings", 2048) or 2048
         self.max_model_len = c.max_model_len or min(model_max, 2048)
@@ -158,7 +160,7 @@ class LLMEngine:
             enable_prefix_caching=c.enable_prefix_caching,
             dtype=self.dtype,
             device=device,
-            quantization=c.quantization,
+            quantization=self.quantization,
             enforce_eager=c.resolved_enforce_eager(),
             cache_dir=c.cache_dir,
         )
@@ -204,6 +206,16 @@ class LLMEngine:
         return self.core.last_step_shape
 
     # ---- requests in ------------------------------------------------------------------------
+
+    def _as_shipped(self, on_cpu: bool) -> str:
+        """quantization=None: a GGUF file keeps its blocks on CPU when the kernel is there (its
+        build failing leaves a warning and the float path, not the torch fallback's pace)."""
+        if self.loaded.gguf_path is not None and on_cpu:
+            from kernels import quant_linear
+
+            if quant_linear.available():
+                return "gguf"
+        return "float"
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         return self.inputs.tokenize(prompt)

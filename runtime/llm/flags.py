@@ -45,9 +45,10 @@ def add_engine_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
     p.add_argument(
         "--quantization",
         default=None,
-        choices=["int4", "gguf"],
-        help="int4: the layers' weights held at 4 bits (CPU, bfloat16); gguf: a .gguf model's Q4_1/Q8_0 layers "
-        "kept as shipped, read by Tandem's integer kernel (CPU); off by default (BENCHMARKS.md)",
+        choices=["float", "gguf", "int4"],
+        help="default: as the model ships (gguf for a .gguf file on CPU, else float); gguf: a .gguf model's "
+        "Q4_1/Q8_0 layers kept as shipped, read by Tandem's integer kernel (CPU); float: weights in --dtype "
+        "(a GGUF dequantized); int4: the layers requantized for torch's 4-bit kernel (CPU, bfloat16)",
     )
     p.add_argument(
         "--enforce-eager",
