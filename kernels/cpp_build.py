@@ -15,9 +15,9 @@ Two ways to target the CPU:
   simd=False  baseline flags only: the file picks its instruction sets at run time (per-function
               target attributes and CPUID), so the binary runs on any x86-64 CPU.
 
-Each op module keeps its own state (loaded or not, why it failed) and its own env switch
-(auto | cpp | torch); `mode` and `try_build` are the shared halves of that: read the switch,
-build once and, when the build fails, warn once and let the module fall back to torch.
+Each op module holds one `Library`: its state (loaded or not, why it failed) and its env
+switch (auto | cpp | torch), built or loaded once per process; when the build fails it warns
+once and the module falls back to torch.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -137,3 +138,51 @@ def try_build(build: Callable[[], None], strict: bool, info: dict[str, object], 
             f"{what}: the C++ op did not build, using the torch path ({info['error']})", RuntimeWarning, stacklevel=4
         )
         return False
+
+
+class Library:
+    """One op module's C++ library: built or loaded from the cache once per process, on first
+    use, from `sources` as the library `name` (see load); `env_var` is its switch (see mode) and
+    `what` names the module in the warning of a failed build.
+
+    A test may stand a failing `build` in on the instance, and reset `loaded` to None to try
+    again."""
+
+    def __init__(self, name: str, sources: str | Sequence[str], env_var: str, what: str, simd: bool = True) -> None:
+        self.name, self.sources, self.env_var, self.what, self.simd = name, sources, env_var, what, simd
+        self.loaded: bool | None = None  # None: not tried yet
+        self.info: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def mode(self) -> str:
+        return mode(self.env_var)
+
+    def build(self) -> None:
+        self.info.update(load(self.name, self.sources, self.simd))
+
+    def ensure_built(self) -> bool:
+        """Build or load the library once per process; False (after one warning) when it cannot."""
+        if self.loaded is None:
+            with self._lock:
+                if self.loaded is None:
+                    # self.build is looked up here, at the call, so a test can stand a failing one in.
+                    self.loaded = try_build(self.build, self.mode() == "cpp", self.info, self.what)
+        return self.loaded
+
+    def available(self) -> bool:
+        """Whether the C++ ops are in use: loaded, or (unless the switch says "torch") built or
+        loaded from the cache by this call."""
+        if self.loaded:
+            return True
+        return self.mode() != "torch" and self.ensure_built()
+
+    def build_info(self) -> dict[str, object]:
+        """Where the library was built and how long building or loading took, or why it failed."""
+        return dict(self.info)
+
+    def use_cpp(self, *tensors: torch.Tensor) -> bool:
+        """For an op's Python implementation, which CPU calls reach only until the library is
+        loaded: whether to call the C++ op for these tensors."""
+        if not all(t.device.type == "cpu" for t in tensors) or self.mode() == "torch":
+            return False
+        return self.ensure_built()

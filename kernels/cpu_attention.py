@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 
 import torch
 
@@ -50,51 +49,14 @@ from kernels.paged_attention import write_kv_padded as write_kv_torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cpp")
-_NAME = "tandem_cpu_attention"
-
-_lock = threading.Lock()
-_loaded: bool | None = None  # None: not tried yet
-_info: dict[str, object] = {}
-
-
-def _mode() -> str:
-    return cpp_build.mode("TANDEM_CPU_ATTENTION")
-
-
-def _build() -> None:
-    _info.update(cpp_build.load(_NAME, _SOURCE))
-
-
-def _ensure_built() -> bool:
-    """Build or load the C++ op once per process; False (after one warning) when it cannot."""
-    global _loaded
-    if _loaded is None:
-        with _lock:
-            if _loaded is None:
-                # _build is looked up here, at the call, so a test can stand a failing one in.
-                _loaded = cpp_build.try_build(_build, _mode() == "cpp", _info, "kernels.cpu_attention")
-    return _loaded
-
-
-def available() -> bool:
-    """Whether the C++ op is in use: loaded, or (unless TANDEM_CPU_ATTENTION=torch) built or
-    loaded from the cache by this call."""
-    if _loaded:
-        return True
-    return _mode() != "torch" and _ensure_built()
-
-
-def build_info() -> dict[str, object]:
-    """Where the op was built and how long building or loading took, or why it failed."""
-    return dict(_info)
-
-
-def _use_cpp(*tensors: torch.Tensor) -> bool:
-    """For the Python implementation, which CPU calls reach only until the library is loaded."""
-    if not all(t.device.type == "cpu" for t in tensors) or _mode() == "torch":
-        return False
-    return _ensure_built()
+LIBRARY = cpp_build.Library(
+    "tandem_cpu_attention",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cpp"),
+    "TANDEM_CPU_ATTENTION",
+    "kernels.cpu_attention",
+)
+available = LIBRARY.available
+build_info = LIBRARY.build_info
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +116,7 @@ def write_kv(
 ) -> None:
     """Store k, v [num_tokens, num_kv_heads, head_dim] at rows `slot_mapping` [num_tokens]
     (int32 or int64) of the flattened caches; a negative slot is skipped."""
-    if _use_cpp(k_cache, v_cache, k, v, slot_mapping):
+    if LIBRARY.use_cpp(k_cache, v_cache, k, v, slot_mapping):
         torch.ops.tandem_cpu.write_kv(k_cache, v_cache, k, v, slot_mapping)
     else:
         write_kv_torch(k_cache, v_cache, k, v, slot_mapping)
@@ -182,7 +144,7 @@ def paged_attention(
     through block_tables[s] (entries past its last block may hold any valid id). Decode is
     q_len 1. Index tensors int32 (int64 is converted). Returns [T, nh, hd] in q's dtype,
     accumulated in float32."""
-    if _use_cpp(q, k_cache, v_cache, block_tables, cu_q_lens, context_lens):
+    if LIBRARY.use_cpp(q, k_cache, v_cache, block_tables, cu_q_lens, context_lens):
         return torch.ops.tandem_cpu.paged_attention(q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale)
 

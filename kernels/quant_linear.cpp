@@ -31,8 +31,8 @@
 //   memory's rate.
 //
 // Files: kernels/quant_linear.h (what both halves share), this file (quantization, the
-// per-block tile kernels, dispatch, the ops), kernels/quant_linear_batch.cpp (Q4_1 batches
-// over repacked weights).
+// per-block tile kernels, dispatch, the ops), kernels/quant_linear_batch.cpp (Q4_1 and Q8_0
+// batches over repacked weights).
 
 #include "quant_linear.h"
 
@@ -438,8 +438,8 @@ at::Tensor quant_linear(const char* op, Format format, const at::Tensor& x_in, c
   // across threads that each do less than waking them costs.
   const int64_t grain = std::max<int64_t>(1, (32 * 1024) / (row_bytes * std::min<int64_t>(m, kMaxTile)));
 
-  // Q4_1 batches on the SIMD paths: kernels/quant_linear_batch.cpp.
-  if (format == Format::kQ4_1 && q4_1_batch(isa, acts, m, w, n, row_bytes, sub, grain, out)) return y;
+  // Batches on the SIMD paths: kernels/quant_linear_batch.cpp.
+  if (packed_batch(format == Format::kQ4_1, isa, acts, m, w, n, row_bytes, sub, grain, out)) return y;
 
   const TileFn* tiles = format == Format::kQ4_1 ? p.q4_1 : p.q8_0;
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {

@@ -1,7 +1,8 @@
 // What the two halves of the quantized linear kernels share: kernels/quant_linear.cpp (the
 // activations' quantization, the per-block tile kernels, dispatch and the ops) and
-// kernels/quant_linear_batch.cpp (Q4_1 batches over repacked weights). The design notes are at
-// the top of quant_linear.cpp; kernels/quant_linear.py gives the block layouts and the math.
+// kernels/quant_linear_batch.cpp (Q4_1 and Q8_0 batches over repacked weights). The design
+// notes are at the top of quant_linear.cpp; kernels/quant_linear.py gives the block layouts
+// and the math.
 
 #pragma once
 
@@ -48,12 +49,12 @@ struct Output {
 // activation row m0 + i (i < mt), adding the bias (quant_linear.cpp).
 void store_tile(const Output& out, const float* res, int mt, int64_t rows, int64_t m0, int64_t n0);
 
-// Q4_1 over repacked weights for M >= kMaxTile activation rows, on the avx2 or vnni path
-// (quant_linear_batch.cpp): false, having done nothing, where `isa` has no such path. The
-// threads split the N outputs with at::parallel_for(grain), each taking sub-chunks of `sub`
-// weight rows.
-bool q4_1_batch(int isa, const Acts& a, int64_t m, const uint8_t* w, int64_t n, int64_t row_bytes, int64_t sub,
-                int64_t grain, const Output& out);
+// Q4_1 (q4) or Q8_0 over repacked weights, for M >= kMaxTile activation rows (Q4_1) or
+// M > kMaxTile (Q8_0), on the avx2 or vnni path (quant_linear_batch.cpp): false, having done
+// nothing, where it has no such path. The threads split the N outputs with
+// at::parallel_for(grain), each taking sub-chunks of `sub` weight rows.
+bool packed_batch(bool q4, int isa, const Acts& a, int64_t m, const uint8_t* w, int64_t n, int64_t row_bytes,
+                  int64_t sub, int64_t grain, const Output& out);
 
 #ifdef TQ_X86
 

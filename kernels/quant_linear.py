@@ -47,65 +47,25 @@ is loaded, picks the path: "auto" (default: C++ when it builds), "cpp" (C++ or r
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
 
 from kernels import cpp_build
 
-# The kernels (quant_linear.cpp) and their Q4_1 batch path (quant_linear_batch.cpp), which
+# The kernels (quant_linear.cpp) and their batch path (quant_linear_batch.cpp), which
 # share quant_linear.h: ninja recompiles what includes it when it changes.
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_DIR, "quant_linear.cpp"), os.path.join(_DIR, "quant_linear_batch.cpp")]
-_NAME = "tandem_quant_linear"
 
 BLOCK = 32
 Q4_1_BYTES = 20
 Q8_0_BYTES = 34
 ISAS = ("vnni", "avx2", "scalar")
 
-_lock = threading.Lock()
-_loaded: bool | None = None  # None: not tried yet
-_info: dict[str, object] = {}
-
-
-def _mode() -> str:
-    return cpp_build.mode("TANDEM_QUANT_LINEAR")
-
-
-def _build() -> None:
-    # Baseline flags: the file picks AVX2 / AVX-512 VNNI per function at run time.
-    _info.update(cpp_build.load(_NAME, _SOURCES, simd=False))
-
-
-def _ensure_built() -> bool:
-    """Build or load the C++ library once per process; False (after one warning) when it cannot."""
-    global _loaded
-    if _loaded is None:
-        with _lock:
-            if _loaded is None:
-                _loaded = cpp_build.try_build(_build, _mode() == "cpp", _info, "kernels.quant_linear")
-    return _loaded
-
-
-def available() -> bool:
-    """Whether the C++ kernels are in use: loaded, or (unless TANDEM_QUANT_LINEAR=torch) built
-    or loaded from the cache by this call."""
-    if _loaded:
-        return True
-    return _mode() != "torch" and _ensure_built()
-
-
-def build_info() -> dict[str, object]:
-    """Where the library was built and how long building or loading took, or why it failed."""
-    return dict(_info)
-
-
-def _use_cpp(*tensors: torch.Tensor) -> bool:
-    """For the Python implementation, which CPU calls reach only until the library is loaded."""
-    if not all(t.device.type == "cpu" for t in tensors) or _mode() == "torch":
-        return False
-    return _ensure_built()
+# Baseline flags: the files pick AVX2 / AVX-512 VNNI per function at run time.
+LIBRARY = cpp_build.Library("tandem_quant_linear", _SOURCES, "TANDEM_QUANT_LINEAR", "kernels.quant_linear", simd=False)
+available = LIBRARY.available
+build_info = LIBRARY.build_info
 
 
 def available_isas() -> list[str]:
@@ -117,7 +77,9 @@ def set_isa(isa: str) -> str:
     """Force the C++ path for every later call in this process ("auto": the fastest this CPU
     runs); returns the previous setting. ValueError for a path the CPU cannot run."""
     if not available():
-        raise RuntimeError(f"kernels.quant_linear: no C++ library to pick a path of ({_info.get('error', 'disabled')})")
+        raise RuntimeError(
+            f"kernels.quant_linear: no C++ library to pick a path of ({LIBRARY.info.get('error', 'disabled')})"
+        )
     return torch.ops.tandem_quant.set_isa(isa)
 
 
@@ -268,7 +230,7 @@ def q8_0_linear_torch(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor 
 def q4_1_linear(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T (+ bias [N]) for W in Q4_1 blocks [N, K / 32 * 20], with x
     quantized to 8 bits per block of 32; y in x's dtype (float32 or bfloat16)."""
-    if _use_cpp(x, blocks):
+    if LIBRARY.use_cpp(x, blocks):
         return torch.ops.tandem_quant.q4_1_linear(x, blocks, bias)
     return q4_1_linear_torch(x, blocks, bias)
 
@@ -283,7 +245,7 @@ def _(x, blocks, bias=None):
 def q8_0_linear(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T (+ bias [N]) for W in Q8_0 blocks [N, K / 32 * 34], with x
     quantized to 8 bits per block of 32; y in x's dtype (float32 or bfloat16)."""
-    if _use_cpp(x, blocks):
+    if LIBRARY.use_cpp(x, blocks):
         return torch.ops.tandem_quant.q8_0_linear(x, blocks, bias)
     return q8_0_linear_torch(x, blocks, bias)
 

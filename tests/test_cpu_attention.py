@@ -31,7 +31,7 @@ def cpp():
     failure, not a silent comparison of the fallback with itself, when it does not build.
     It runs on two threads whatever the suite's setting (one per xdist process: conftest.py),
     so that the kernel's at::parallel_for splits are what is compared."""
-    if ca._mode() == "torch":
+    if ca.LIBRARY.mode() == "torch":
         pytest.skip("TANDEM_CPU_ATTENTION=torch")
     if not ca.available():
         if shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -276,7 +276,7 @@ def _fallback_process(out_path: str) -> None:
     """Run in a fresh process (the C++ kernels, once loaded, take every CPU call): the
     TANDEM_CPU_ATTENTION=torch switch, then a failed build, then TANDEM_CPU_ATTENTION=cpp."""
     assert os.environ["TANDEM_CPU_ATTENTION"] == "torch"
-    assert not ca.available() and ca._loaded is None  # never even tried to build
+    assert not ca.available() and ca.LIBRARY.loaded is None  # never even tried to build
     outs = {}
     for case, dtype in FALLBACK_CASES:
         batch, clean = make_batch(*CASES[case], 9, 3, 64, dtype)
@@ -286,7 +286,7 @@ def _fallback_process(out_path: str) -> None:
     def fail():
         raise RuntimeError("no compiler here")
 
-    ca._build = fail
+    ca.LIBRARY.build = fail
     os.environ["TANDEM_CPU_ATTENTION"] = "auto"
     batch, clean = make_batch([12, 30], [1, 6], 9, 3, 64, torch.float32)
     with warnings.catch_warnings(record=True) as caught:
@@ -299,7 +299,7 @@ def _fallback_process(out_path: str) -> None:
     assert [str(w.message).count("no compiler here") for w in caught] == [1], "warn once, saying why"
     assert not ca.available() and "no compiler here" in ca.build_info()["error"]
 
-    ca._loaded = None
+    ca.LIBRARY.loaded = None
     os.environ["TANDEM_CPU_ATTENTION"] = "cpp"
     with pytest.raises(RuntimeError, match="no compiler here"):
         ca.available()
