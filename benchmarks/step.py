@@ -147,6 +147,19 @@ def run(args) -> int:
                 f"{spec:16s} {b:5d} {e['step_ms']:9.2f} {c['step_ms']:11.2f} {floor:9.2f} "
                 f"{e['step_ms'] / floor:11.2f} {c['step_ms'] / floor:10.2f} {e['step_ms'] / c['step_ms']:7.2f}x"
             )
+    # Issue 30's targets for the 16-sequence step: float32 within 1.15x of its linear floor, the
+    # 4-bit path (gguf, int4) within 1.25x of its own.
+    for spec in specs:
+        if 16 not in batches:
+            break
+        e = next(r for r in rows if r["spec"] == spec and r["mode"] == "eager" and r["num_seqs"] == 16)
+        c = next(r for r in rows if r["spec"] == spec and r["mode"] == "captured" and r["num_seqs"] == 16)
+        goal = 1.25 if spec.endswith(("-gguf", "-int4")) else 1.15 if spec == "float32" else None
+        if goal is not None:
+            best = min(e["step_ms"], c["step_ms"]) / min(e["linear_floor_ms"], c["linear_floor_ms"])
+            print(
+                f"target: {spec} 16-sequence step <= {goal}x its floor: {best:.2f}x, {'met' if best <= goal else 'NOT met'}"
+            )
     report = {
         "cpu_flags": flags,
         "threads": torch.get_num_threads(),
