@@ -183,9 +183,12 @@ class WorkerHost:
         self._spawn(self._lease_loop, "tandem-lease")
         t0 = time.monotonic()
         self.runtime = self._factory()
-        if getattr(self.runtime, "llm", None) is not None:
-            self.model_name = served_model_name(self.runtime.llm.config.model)
-        log.info("worker %s: runtime ready in %.1f s", self.worker_id, time.monotonic() - t0)
+        llm = getattr(self.runtime, "llm", None)
+        if llm is not None:
+            self.model_name = served_model_name(llm.config.model)
+        # The precision the model runs at, which a .gguf file's default decides (as shipped).
+        precision = f" ({llm.dtype}, weights {llm.quantization})" if llm is not None else ""
+        log.info("worker %s: runtime ready in %.1f s%s", self.worker_id, time.monotonic() - t0, precision)
         self.writer = EventWriter(self.store)
         self._spawn(self._cancel_loop, "tandem-cancel")
         self._register()
