@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import fused_ops, quant_linear
 from kernels import paged_attention as cpu_attn
-from kernels import quant_linear
 from runtime.dtypes import cpu_has_native_bf16
+from runtime.llm.layers import attention_cpp, attention_triton
 
 
 @dataclass(slots=True)
@@ -142,11 +143,14 @@ class AttentionMetadata:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm: normalise in float32, then scale. One fused op (F.rms_norm computes
-    in float32 inside): in float32 bit-identical to HF's written-out formula; in bfloat16 it
-    rounds once where HF rounds twice (after normalising and after scaling), so it is within
-    one bfloat16 rounding of HF, and four dispatches cheaper per call (61 calls a step)."""
-    return F.rms_norm(x, weight.shape, weight, eps)
+    """HF's LlamaRMSNorm: normalise in float32, then scale (kernels/fused_ops.py: one C++ pass
+    on CPU, F.rms_norm's formula). In float32 bit-identical to HF's written-out formula; in
+    bfloat16 it rounds once where HF rounds twice, so within one bfloat16 rounding of HF.
+    Off the CPU the op would run its Python fallback, and hide the norm from a GPU graph's
+    fusion: there the torch ops are called directly."""
+    if x.device.type != "cpu":
+        return fused_ops.rms_norm_torch(x, weight, eps)
+    return fused_ops.rms_norm(x, weight, eps)
 
 
 class RMSNorm(nn.Module):
@@ -155,8 +159,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`: (norm(x + residual), x + residual), the pre-norm block's
+        residual add folded into the next norm (fused_ops.add_rms_norm)."""
+        if residual is None:
+            return _rms_norm(x, self.weight, self.eps)
+        if x.device.type != "cpu":  # as _rms_norm
+            return fused_ops.add_rms_norm_torch(x, residual, self.weight, self.eps)
+        return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -295,41 +305,52 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = PackedLinear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
         self.down_proj = PackedLinear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
-    def _qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, h: torch.Tensor, res: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
+        """`h` is the previous layer's MLP output, not yet added to the residual stream `res`
+        (None at the first layer, whose `h` is the embedding): the add and this layer's norm
+        are one op. Returns q, k, v and the residual stream."""
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         t = h.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(h))
+        if res is None:
+            x, res = self.input_layernorm(h), h
+        else:
+            x, res = self.input_layernorm(h, res)
+        qkv = self.qkv_proj(x)
         qk = _rope(qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)
-        return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
+        return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd :].view(t, nkv, hd), res
 
-    def _finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        h = h + self.o_proj(attn.reshape(h.shape[0], self.num_heads * self.head_dim))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+    def _finish(self, res: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self.o_proj(attn.reshape(res.shape[0], self.num_heads * self.head_dim))
+        x, res = self.post_attention_layernorm(o, res)  # res + o, normed
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up), res  # the caller adds the two (fused into its norm)
 
     def forward(
         self,
         h: torch.Tensor,
+        res: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        q, k, v = self._qkv(h, cos, sin)
-        return self._finish(h, _attention(q, k, v, kv[0], kv[1], meta, self.scale))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream): the layer's output is their sum, which the next
+        norm forms (see _qkv)."""
+        q, k, v, res = self._qkv(h, res, cos, sin)
+        return self._finish(res, _attention(q, k, v, kv[0], kv[1], meta, self.scale))
 
     def forward_decode(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *step: torch.Tensor
-    ) -> torch.Tensor:
+        self, h: torch.Tensor, res: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, *step: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode-only step of one layer as a captured graph sees it: the K/V write and the
         attention are one registered op (runtime/llm/graph_ops.py) over the whole cache, so
         the graph does not break at attention. `step`: LlamaModel.forward_decode's tensors."""
-        q, k, v = self._qkv(h, cos, sin)
+        q, k, v, res = self._qkv(h, res, cos, sin)
         kv_cache, slot_mapping, block_tables, context_lens, mask = step
         attn = torch.ops.tandem.decode_attention(
             q, k, v, kv_cache, self.layer_idx, slot_mapping, block_tables, context_lens, mask, self.scale
         )
-        return self._finish(h, attn)
+        return self._finish(res, attn)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -342,9 +363,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     if meta.backend == "triton":
-        return _attention_triton(q, k, v, k_cache, v_cache, meta, scale)
+        return attention_triton(q, k, v, k_cache, v_cache, meta, scale)
     if meta.backend == "cpp":
-        return _attention_cpp(q, k, v, k_cache, v_cache, meta, scale)
+        return attention_cpp(q, k, v, k_cache, v_cache, meta, scale)
     cpu_attn.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     nd = meta.num_decodes
     if nd and not meta.prefills:
@@ -360,61 +381,6 @@ def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float)
             out[s:e] = cpu_attn.prefill_attention(q[s:e], k[s:e], v[s:e], 0, scale)
         else:
             out[s:e] = cpu_attn.paged_prefill_attention(q[s:e], k_cache, v_cache, c.block_ids, c.start, scale)
-    return out
-
-
-def _attention_cpp(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The C++ CPU kernel (kernels/cpu_attention.py): blocks read in place; decodes in one call,
-    the prefill chunks in another, on the Triton path's metadata."""
-    from kernels import cpu_attention as cpp
-
-    cpp.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    nd = meta.num_decodes
-    parts = []
-    if nd:
-        cu = meta.decode_cu_q_lens
-        parts.append(
-            cpp.paged_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, cu, meta.decode_context_lens, scale)
-        )
-    if meta.prefills:
-        parts.append(
-            cpp.paged_attention(
-                q[nd:],
-                k_cache,
-                v_cache,
-                meta.prefill_block_tables,
-                meta.prefill_cu_q_lens,
-                meta.prefill_context_lens,
-                scale,
-            )
-        )
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _attention_triton(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    from kernels import triton_attention as tri
-
-    tri.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    nd = meta.num_decodes
-    if nd and not meta.prefills:
-        return tri.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
-        )
-    out = torch.empty_like(q)
-    if nd:
-        out[:nd] = tri.paged_decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
-        )
-    out[nd:] = tri.paged_prefill_attention(
-        q[nd:],
-        k_cache,
-        v_cache,
-        meta.prefill_block_tables,
-        meta.prefill_cu_q_lens,
-        meta.prefill_context_lens,
-        scale,
-        max_q_len=meta.prefill_max_q_len,
-    )
     return out
 
 
@@ -609,12 +575,17 @@ class LlamaModel(nn.Module):
         (None when no row samples)."""
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, hd/2], shared by all layers
         sin = self.sin.index_select(0, positions).unsqueeze(1)
-        h = self.embed_tokens(input_ids)
+        h, res = self.embed_tokens(input_ids), None
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv, meta)
+            h, res = layer(h, res, cos, sin, kv, meta)
         if sample_rows is None:
             return None
-        return self.lm_head(self.norm(h.index_select(0, sample_rows))).float()
+        return self._head(h.index_select(0, sample_rows), None if res is None else res.index_select(0, sample_rows))
+
+    def _head(self, h: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
+        """Logits of the last layer's (MLP output, residual stream): their sum, normed."""
+        x = self.norm(h) if res is None else self.norm(h, res)[0]
+        return self.lm_head(x).float()
 
     def forward_decode(
         self,
@@ -637,8 +608,8 @@ class LlamaModel(nn.Module):
         tensors."""
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
-        h = self.embed_tokens(input_ids)
+        h, res = self.embed_tokens(input_ids), None
         step = (kv_cache, slot_mapping, block_tables, context_lens, mask)
         for layer in self.layers:
-            h = layer.forward_decode(h, cos, sin, *step)
-        return self.lm_head(self.norm(h)).float()
+            h, res = layer.forward_decode(h, res, cos, sin, *step)
+        return self._head(h, res)
