@@ -201,6 +201,8 @@ def account(ops: list[dict], audits: dict[str, dict], tickets: dict[str, str]) -
             "resumed": sum(a["attempts"] > 1 for a in audits.values()),
             "unfinished": unfinished[:50],
             "duplicated_unlinked": dup_jobs[:50],
+            # what each one's audit found (final results, final events, repeated token indices)
+            "duplicated_unlinked_why": {j: "; ".join(audits[j]["duplicate"]) for j in dup_jobs[:50]},
         },
     }
 

@@ -83,6 +83,7 @@ def test_two_final_results_or_repeated_indices_are_duplicates():
     # A job in Redis that no accepted request names still counts.
     counts = account([_op("a", [5, 6, 7]), replayed], {"a": two_results, "b": again, "c": clean}, {})
     assert counts["duplicated"] == 3 and counts["redis"]["duplicated_unlinked"] == ["b"]
+    assert counts["redis"]["duplicated_unlinked_why"] == {"b": "; ".join(again["duplicate"])}
 
 
 def test_accepted_and_never_done_is_lost_and_a_dropped_chat_is_not():
@@ -162,7 +163,7 @@ def test_a_tiny_chaos_run_loses_nothing_and_runs_nothing_twice(tmp_path, tiny_ll
     assert "kill" in kinds and "redis-kill" in kinds, report["faults"]
     assert report["accepted"] > 0 and report["completed_once"] > 0
     assert report["lost"] == 0, report["details"]
-    assert report["duplicated"] == 0, report["details"]
+    assert report["duplicated"] == 0, (report["details"], report["redis"])
     assert report["token_equality"]["differ"] == 0 and report["token_equality"]["compared"] > 0
     assert rc == 0, stdout[-2000:]
 
