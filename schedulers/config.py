@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schedulers.speculation import SpeculativeConfig
+
 POLICIES = ("fcfs", "priority")
 
 
@@ -27,8 +29,12 @@ class SchedulerConfig:
     policy: str = "fcfs"  # or "priority": lower Request.priority first, then arrival
     # A prompt longer than this per step is split; by default a chunk may use the whole budget.
     long_prefill_token_threshold: int = 0
+    # Draftless speculative decoding (schedulers/speculation.py); None: off. A dict (vLLM's
+    # form) is turned into a SpeculativeConfig here.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_model_len", self.max_model_len)

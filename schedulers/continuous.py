@@ -26,6 +26,7 @@ from schedulers.interface import BlockAllocator, SchedulerStats
 from schedulers.plan import StepOutputs, StepPlan, StepResult
 from schedulers.request import Request, RequestStatus
 from schedulers.request_table import RequestTable
+from schedulers.speculation import NgramProposer, SpeculationStats
 
 
 class WaitingQueue:
@@ -95,6 +96,9 @@ class ContinuousBatchScheduler:
         self._planned: dict[int, list[Request]] = {}  # the last plan's requests, in plan order
         self._step_preemptions = 0
         self._leaders: list[Request] = []  # running requests whose followers have not forked yet
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.spec_stats = SpeculationStats()
 
     # ---- the Scheduler protocol --------------------------------------------------------------
 
@@ -122,6 +126,8 @@ class ContinuousBatchScheduler:
         req = self.table.requests.get(request_id)
         if req is None:
             return False
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         if req.leader is not None:  # a follower not forked yet: it never ran
             leader = self.table.detach_follower(req)
             if not leader.followers and leader in self._leaders:
@@ -163,7 +169,9 @@ class ContinuousBatchScheduler:
     def schedule(self, now: float = 0.0) -> StepPlan:
         step = _Step(StepPlan(freed_req_ids=self.table.take_freed()), self.config.max_num_batched_tokens)
         preemptions_before = self.table.num_preemptions
-        self._schedule_running(step)
+        if self.table.trims:
+            step.plan.trimmed_block_ids, self.table.trims = self.table.trims, {}
+        self._schedule_running(step, self._propose(step) if self.proposer is not None else None)
         if not step.preempted:  # admitting now would only feed the next preemption
             self._admit_waiting(step)
         if self._leaders:
@@ -179,6 +187,14 @@ class ContinuousBatchScheduler:
         if reqs is None:
             raise ValueError("update() takes the plan returned by this scheduler's last schedule()")
         self.table.apply(plan, reqs, result, out)
+        if self.table.verified:
+            for rid, drafted, accepted in self.table.verified:
+                self.spec_stats.record(drafted, accepted)
+                self.proposer.record(rid, drafted, accepted)
+            self.table.verified.clear()
+        if self.proposer is not None:
+            for rid in out.finished:
+                self.proposer.forget(rid)
         out.num_preempted = self._step_preemptions
         if out.finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
@@ -186,7 +202,30 @@ class ContinuousBatchScheduler:
 
     # ---- policy --------------------------------------------------------------------------------
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _propose(self, step: _Step) -> dict[str, list[int]] | None:
+        """Draft tokens for decoding requests that may speculate, within what the step's
+        budget has beyond one token for every running request (schedulers/speculation.py)."""
+        k = self.proposer.config.k_for(len(self.running))
+        if not k:
+            return None
+        spare = step.budget - len(self.running)
+        drafts: dict[str, list[int]] = {}
+        for req in self.running:
+            if spare <= 0:
+                break
+            n = len(req.token_ids)
+            # Past min_tokens only: the runner then masks no stop id in any drafted position.
+            if not req.spec_ok or n - req.num_computed_tokens != 1 or n < req.min_len:
+                continue
+            room = min(k, spare, req.max_len - n - 1)  # the bonus token must fit too
+            if room > 0:
+                d = self.proposer.propose(req.request_id, req.token_ids, room)
+                if d:
+                    drafts[req.request_id] = d
+                    spare -= len(d)
+        return drafts or None
+
+    def _schedule_running(self, step: _Step, drafts: dict[str, list[int]] | None = None) -> None:
         running_status = RequestStatus.RUNNING
         bs = self.table.block_size
         plan, scheduled = step.plan, step.scheduled
@@ -218,7 +257,7 @@ class ContinuousBatchScheduler:
                 if len(req.token_ids) - computed != 1:
                     prefilling.append(req)
                     continue
-                if computed >= len(req.block_ids) * bs or req.needs_full_state:
+                if computed >= len(req.block_ids) * bs or req.needs_full_state or drafts and req.request_id in drafts:
                     rare = req
                     break
                 add_id(req.request_id)
@@ -230,16 +269,20 @@ class ContinuousBatchScheduler:
             step.budget = budget  # the one write-back (see above)
             if rare is None:
                 break  # the snapshot is done, or the budget is
-            if self._allocate(step, rare, 1):  # False: `rare` itself was preempted
+            d = drafts.get(rare.request_id) if drafts else None
+            n = 1 + len(d) if d else 1  # a decode verifying drafts computes them too
+            if self._allocate(step, rare, n):  # False: `rare` itself was preempted
                 if rare.needs_full_state:
-                    self.table.add_to_plan(plan, rare, 1)
+                    self.table.add_to_plan(plan, rare, n)
                 else:  # the inner loop's appends (cheaper than add_to_plan, same columns)
                     add_id(rare.request_id)
-                    add_num(1)
+                    add_num(n)
                     add_computed(rare.num_computed_tokens)
                     add_sample(True)
+                if d:
+                    plan.spec_token_ids[rare.request_id] = d
                 scheduled.append(rare)
-                step.budget -= 1
+                step.budget -= n
         threshold = self.config.long_prefill_token_threshold
         for req in prefilling:
             if step.budget <= 0:
@@ -289,6 +332,7 @@ class ContinuousBatchScheduler:
             ):
                 del column[i]
             plan.new_block_ids.pop(rid, None)
+            plan.spec_token_ids.pop(rid, None)
             plan.new_requests = [r for r in plan.new_requests if r.request_id != rid]
         if victim in self._leaders:
             self._leaders.remove(victim)

@@ -52,6 +52,13 @@ class StepPlan:
     # copy of the partial block its parent's prompt ends in (copy on write: each child writes
     # its first tokens there; the full prompt blocks before it are shared, never written).
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: a decoding request's draft tokens, by request id. It is scheduled
+    # 1 + len(drafts) tokens (its last token, then the drafts); the runner verifies the drafts
+    # and returns the accepted ones plus one token of its own.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Block tables cut back since the last plan (rejected drafts' emptied blocks went back to
+    # the pool): request id -> blocks it keeps. Applied before new_block_ids.
+    trimmed_block_ids: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

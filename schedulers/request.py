@@ -83,6 +83,9 @@ class Request:
     # admission with its own (so that the fork never waits for blocks); [] when the prompt
     # fills whole blocks.
     fork_tails: list[int] = field(default_factory=list)
+    # Speculative decoding may draft for it (schedulers/speculation.py): the engine says so for
+    # requests whose sampling the verification keeps exact (runtime/llm/input_processor.py).
+    spec_ok: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)

@@ -24,6 +24,10 @@ class RequestTable:
         # Prompt tokens whose KV a step computed: prefix-cache hits and forked choices' shared
         # prompts are not counted; a recompute after preemption is.
         self.num_computed_prompt_tokens = 0
+        # Speculative decoding: block tables cut back by apply (request id -> blocks kept), for
+        # the next plan; and (request id, drafted, accepted) of this step's verifications.
+        self.trims: dict[str, int] = {}
+        self.verified: list[tuple[str, int, int]] = []
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -160,6 +164,7 @@ class RequestTable:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._freed.append(req.request_id)
+        self.trims.pop(req.request_id, None)  # re-sent in full when it runs again
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         if req.block_ids:
@@ -170,6 +175,7 @@ class RequestTable:
             self._freed.append(req.request_id)
         req.status = status
         self.requests.pop(req.request_id, None)
+        self.trims.pop(req.request_id, None)
 
     def _free_tails(self, req: Request) -> None:
         if req.fork_tails:
@@ -208,9 +214,13 @@ class RequestTable:
         record finishes in `out`. The hot loop of a step: kept to plain compares and appends."""
         caching = self.caching
         running = RequestStatus.RUNNING
+        spec = plan.spec_token_ids
         prompt_tokens = 0
         for req, num_new, tokens in zip(reqs, plan.num_scheduled_tokens, result.sampled_token_ids):
             if req.status is not running:  # aborted or preempted since the plan was made
+                continue
+            if spec and tokens and req.request_id in spec:
+                self._apply_verified(req, spec[req.request_id], tokens, out)
                 continue
             start = req.num_computed_tokens
             computed = req.num_computed_tokens = start + num_new
@@ -235,6 +245,34 @@ class RequestTable:
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
                 out.finished[req.request_id] = "stop"
         self.num_computed_prompt_tokens += prompt_tokens
+
+    def _apply_verified(self, req: Request, drafts: list[int], tokens: list[int], out: StepOutputs) -> None:
+        """A decode that verified `drafts`: `tokens` are the accepted drafts and one token of the
+        runner's own. Only the accepted drafts' K/V stands (the last token's and theirs); the
+        rejected ones' slots are free again, and blocks they alone held go back to the pool.
+        Several tokens arrive at once, so the stop checks run over each, in order, and cut
+        `tokens` (the list the engine streams) where the request ends."""
+        self.verified.append((req.request_id, len(drafts), len(tokens) - 1))
+        computed = req.num_computed_tokens = req.num_computed_tokens + len(tokens)
+        token_ids = req.token_ids
+        before = len(token_ids)
+        for j, tok in enumerate(tokens):
+            n = before + j + 1
+            if n >= req.max_len or (tok in req.stop_token_ids and n >= req.min_len):
+                del tokens[j + 1 :]
+                token_ids.extend(tokens)
+                status = RequestStatus.FINISHED_LENGTH if n >= req.max_len else RequestStatus.FINISHED_STOPPED
+                self.finish(req, status)
+                out.finished[req.request_id] = "length" if n >= req.max_len else "stop"
+                return
+        token_ids.extend(tokens)
+        if self.caching and computed >= req.next_publish_at:  # accepted tokens only: computed counts no rejected draft
+            self._publish(req)
+        keep = computed // self.block_size + 1  # through the block the next token's K/V goes in
+        if len(req.block_ids) > keep:
+            self.pool.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
+            self.trims[req.request_id] = keep
 
     def _publish(self, req: Request) -> None:
         """Enter the request's newly computed full blocks in the prefix cache."""

@@ -75,6 +75,7 @@ class LLM:
         memory: DeviceMemoryManager | None = None,
         quantization: str | None = None,
         enforce_eager: bool | None = None,
+        speculative_config: dict | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -92,6 +93,7 @@ class LLM:
             cache_dir=cache_dir,
             quantization=quantization,
             enforce_eager=enforce_eager,
+            speculative_config=speculative_config,
         )
         self.engine = LLMEngine(config, memory)
 

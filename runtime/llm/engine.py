@@ -48,6 +48,7 @@ from runtime.llm.structured import GrammarCompiler
 from runtime.memory import DeviceMemoryManager, MemoryConfig
 from runtime.threads import settle_native_pools
 from schedulers import ContinuousBatchScheduler, DynamicBatchConfig, SchedulerConfig, StaticBatchScheduler
+from schedulers.speculation import SpeculativeConfig
 
 SCHEDULERS = ("continuous", "static")
 QUANTIZATIONS = (None, "float", "int4", "gguf")
@@ -82,8 +83,15 @@ class EngineConfig:
     # background thread; eager until then). True: always eager, as vLLM's flag. None: the
     # environment's TANDEM_ENFORCE_EAGER (1 or 0; the test suite sets 1), else the default.
     enforce_eager: bool | None = None
+    # Draftless speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens":
+    # 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} plus the adaptive knobs of
+    # schedulers/speculation.py. None: off. Greedy tokens are exactly those without it.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative_config is not None and self.scheduler != "continuous":
+            raise ValueError("speculative_config needs scheduler='continuous' (drafts ride in its steps)")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -145,7 +153,11 @@ class LLMEngine:
         max_num_seqs = c.max_num_seqs or (16 if on_cpu else 256)
         budget = c.max_num_batched_tokens or (256 if on_cpu else 2048)
         sched_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=self.max_model_len, policy=c.policy
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=self.max_model_len,
+            policy=c.policy,
+            speculative_config=c.speculative_config,
         )
         self.memory = memory or DeviceMemoryManager(MemoryConfig(device=device))
         self.runner = ModelRunner(

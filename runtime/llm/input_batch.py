@@ -68,6 +68,13 @@ class InputBatch:
         self.block_table[row, n : n + len(block_ids)] = block_ids
         self.num_blocks[row] = n + len(block_ids)
 
+    def trim_blocks(self, row: int, keep: int) -> None:
+        """Cut the row's table back to its first `keep` blocks (speculation's rollback)."""
+        n = int(self.num_blocks[row])
+        if keep < n:
+            self.block_table[row, keep:n] = self.pad_block
+            self.num_blocks[row] = keep
+
     def decode_inputs(self, rows: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slot mapping [B], block tables [B, nblk]) of decode rows whose query sits at
         `positions`; nblk covers the longest context."""

@@ -222,6 +222,16 @@ class InputProcessor:
             # Prompt logprobs need every prompt position's logits, so such a request computes its
             # whole prompt, as vLLM does (its blocks still enter the cache for others).
             skip_prefix_cache=params.prompt_logprobs is not None,
+            # Speculation drafts only where verification keeps the request exact with nothing
+            # per position but its temperature, top-k, top-p and min-p (runtime/llm/spec_verify.py):
+            # penalties, grammars, logprobs, seeds and stop strings decode one token a step.
+            spec_ok=not (
+                params.has_penalties
+                or params.structured_outputs is not None
+                or params.logprobs is not None
+                or params.seed is not None
+                or params.stop
+            ),
         )
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:

@@ -71,6 +71,7 @@ from runtime.llm.model import AttentionMetadata, LlamaModel, ModelSpec, PrefillC
 from runtime.llm.prompt_logprobs import PromptRows, prompt_rows, split
 from runtime.llm.sampler import Sampler, compute_logprobs, compute_prompt_logprobs, to_host
 from runtime.llm.sampling_params import GREEDY_EPS
+from runtime.llm.spec_verify import accepted_tokens, verify_tensors
 from runtime.llm.structured import GrammarCompiler, GrammarMatcher
 from runtime.memory import DeviceMemoryManager
 from schedulers.plan import StepPlan, StepResult
@@ -375,6 +376,11 @@ class ModelRunner(CapturedDecode):
         requests, batch = self.requests, self.batch
         if plan.freed_req_ids:
             self.drop_requests(plan.freed_req_ids)
+        for rid, keep in plan.trimmed_block_ids.items():  # speculation's rolled-back blocks
+            st = requests.get(rid)
+            if st is not None:
+                del st.block_ids[keep:]
+                batch.trim_blocks(batch.row_of[rid], keep)
         fresh: list[int] = []  # blocks handed to a request this step
         failed: dict[str, str] = {}  # newcomers refused at admission: left out of this step
         for nr in plan.new_requests:
@@ -445,15 +451,19 @@ class ModelRunner(CapturedDecode):
             pos_parts.append(dec_pos)
             slot_parts.append(dec_slots)
         chunk_tables: list[np.ndarray] = []
+        spec = plan.spec_token_ids
         for i in prefills:
             st, start, n = states[i], plan.num_computed_tokens[i], plan.num_scheduled_tokens[i]
             end = start + n
-            if end > len(st.token_ids):
+            drafts = spec.get(plan.req_ids[i]) if spec else None
+            # A decode verifying drafts: its last token, then the drafts (not its tokens yet).
+            known = start + 1 if drafts is not None else end
+            if known > len(st.token_ids) or (drafts is not None and len(drafts) != n - 1):
                 raise RuntimeError(
                     f"plan schedules tokens [{start}, {end}) of request {plan.req_ids[i]!r}, which has {len(st.token_ids)}"
                 )
             row = len(ids)
-            ids.extend(st.token_ids[start:end])
+            ids.extend(st.token_ids[start:end] if drafts is None else [st.token_ids[start], *drafts])
             row_of_last[i] = row + n - 1
             table = batch.block_table[batch.row_of[plan.req_ids[i]], : -(-end // bs)]
             pos = np.arange(start, end, dtype=np.int64)
@@ -484,12 +494,20 @@ class ModelRunner(CapturedDecode):
                 if states[i] is not None and j in row_of_last:
                     row_of_last[i] = row_of_last[j]
         sample_idx = [i for i, s in enumerate(plan.sample) if s and i in row_of_last]
+        spec_idx: list[int] = []  # requests verifying drafts: every row of their chunk is scored
+        if spec:
+            spec_idx = [i for i in sample_idx if plan.req_ids[i] in spec]
+            sample_idx = [i for i in sample_idx if plan.req_ids[i] not in spec]
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.from_numpy(np.concatenate(pos_parts) if len(pos_parts) > 1 else pos_parts[0]).to(dev)
         meta.slot_mapping = torch.from_numpy(np.concatenate(slot_parts) if len(slot_parts) > 1 else slot_parts[0]).to(
             dev
         )
         rows = [row_of_last[i] for i in sample_idx]
+        for i in spec_idx:
+            last = row_of_last[i]
+            rows += range(last - len(spec[plan.req_ids[i]]), last + 1)
+        num_spec_rows = len(rows) - len(sample_idx)
         prompt = prompt_rows(self.prompt_logprob_ids, plan, states, row_of_last) if self.prompt_logprob_ids else None
         if prompt is not None:  # the prompt positions' rows follow the sampled ones
             rows += prompt.rows
@@ -497,12 +515,24 @@ class ModelRunner(CapturedDecode):
         logits = self.model(input_ids, positions, meta, self.kv_caches, rows_t)
         if plan.copy_blocks:  # after the forward, which wrote the parents' last prompt tokens
             self._copy_blocks(plan.copy_blocks)
-        prompt_logits = None
-        if prompt is not None:
+        prompt_logits = spec_logits = None
+        if spec_idx:
+            n = len(sample_idx)
+            spec_logits = logits[n : n + num_spec_rows]
+            logits, prompt_logits = (logits[:n] if n else None), logits[n + num_spec_rows :]
+        elif prompt is not None:
             logits, prompt_logits = (logits[: len(sample_idx)] if sample_idx else None), logits[len(sample_idx) :]
         self.last_logits = logits
 
-        return self._sample(plan, states, sample_idx, logits, failed, prompt, prompt_logits)
+        verify = None
+        if spec_idx:  # speculation's verification: device tensors read in the step's one sync
+            drafts = [spec[plan.req_ids[i]] for i in spec_idx]
+            verify = (
+                spec_idx,
+                drafts,
+                *verify_tensors(self.sampler, spec_logits, [states[i] for i in spec_idx], drafts),
+            )
+        return self._sample(plan, states, sample_idx, logits, failed, prompt, prompt_logits, verify)
 
     def _sample(
         self,
@@ -513,16 +543,20 @@ class ModelRunner(CapturedDecode):
         failed: dict[str, str],
         prompt: PromptRows | None = None,
         prompt_logits=None,
+        verify=None,
     ) -> RunnerResult:
         out: list[list[int]] = [[] for _ in plan.req_ids]
-        extra = ()  # prompt logprobs' device tensors, fetched in the step's one sync
+        extra = ()  # prompt logprobs' and verification's device tensors, fetched in the step's one sync
         if prompt is not None:
             pl = compute_prompt_logprobs(prompt_logits, prompt.targets, prompt.k)
             extra = (pl.token_ids, pl.logprobs)
+        if verify is not None:
+            extra += verify[2:]
         if logits is None:
-            if not extra:
-                return RunnerResult(sampled_token_ids=out, failed=failed)
-            return RunnerResult(sampled_token_ids=out, failed=failed, prompt_logprobs=split(prompt, *to_host(*extra)))
+            result = RunnerResult(sampled_token_ids=out, failed=failed)
+            if extra:
+                self._take_extra(result, states, prompt, verify, to_host(*extra))
+            return result
         sampled = [states[i] for i in sample_idx]
         sbatch = sampling_batch(sampled, [plan.req_ids[i] for i in sample_idx])
         # No constrained request anywhere (the common case): not even a scan of the rows.
@@ -552,9 +586,21 @@ class ModelRunner(CapturedDecode):
             states[i].token_ids.append(tok)
             out[i] = [tok]
         result = RunnerResult(sampled_token_ids=out, failed=failed, logprobs=logprobs)
-        if prompt is not None:
-            result.prompt_logprobs = split(prompt, *host)
+        if host:
+            self._take_extra(result, states, prompt, verify, host)
         return result
+
+    @staticmethod
+    def _take_extra(result: RunnerResult, states, prompt: PromptRows | None, verify, host: list) -> None:
+        """The host copies of the step's extra tensors: prompt logprobs, then verification."""
+        if prompt is not None:
+            result.prompt_logprobs = split(prompt, *host[:2])
+            host = host[2:]
+        if verify is not None:
+            spec_idx, drafts = verify[0], verify[1]
+            for i, tokens in zip(spec_idx, accepted_tokens(host[0], host[1], drafts)):
+                states[i].token_ids.extend(tokens)
+                result.sampled_token_ids[i] = tokens
 
     def _grammar_bitmask(self, rows: int):
         mask = self._grammar_mask

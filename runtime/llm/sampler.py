@@ -340,17 +340,7 @@ class Sampler:
     ) -> torch.Tensor:
         """Sample every row of `logits` (all temperatures > 0) by the exponential race."""
         dev = logits.device
-        # Multiply by 1/T, the same float32 product whether T is shared (a scalar) or per row
-        # (a tensor), so a seeded row's probabilities do not depend on its neighbours.
-        inv = [1.0 / t for t in temps]
-        if all(x == inv[0] for x in inv):
-            scaled = logits if inv[0] == 1.0 else logits * inv[0]
-        else:
-            scaled = logits * _to_device(inv, torch.float32, dev).unsqueeze(1)
-        probs = scaled.softmax(dim=-1)  # a fresh tensor: the steps below work in place
-        if any(m > 0 for m in min_p):
-            self._min_p(probs, min_p)
-        self._restrict(probs, top_k, top_p)
+        probs = self.probabilities(logits, temps, top_k, top_p, min_p)
         # E = -log U with U uniform in [tiny, 1): E is Exponential(1), finite and > 0, so
         # log(U) / p is finite and < 0 for every kept token and -inf for an excluded one (p = 0),
         # never NaN; its argmax is the argmin of E / p, the winner of the race. (On CPU, uniform_
@@ -365,6 +355,37 @@ class Sampler:
                 gen.manual_seed(seed)
                 noise[i].uniform_(_TINY, 1.0, generator=gen)
         return noise.log_().div_(probs).argmax(dim=-1)
+
+    def probabilities(
+        self, logits: torch.Tensor, temps: list[float], top_k: list[int], top_p: list[float], min_p: list[float]
+    ) -> torch.Tensor:
+        """The distribution each row samples from (temperatures > 0): softmax(logits / T), then
+        min-p, top-k and top-p zero what they exclude (not renormalised: the race needs no
+        sum, and speculation's verification divides by it where it must)."""
+        dev = logits.device
+        # Multiply by 1/T, the same float32 product whether T is shared (a scalar) or per row
+        # (a tensor), so a seeded row's probabilities do not depend on its neighbours.
+        inv = [1.0 / t for t in temps]
+        if all(x == inv[0] for x in inv):
+            scaled = logits if inv[0] == 1.0 else logits * inv[0]
+        else:
+            scaled = logits * _to_device(inv, torch.float32, dev).unsqueeze(1)
+        probs = scaled.softmax(dim=-1)  # a fresh tensor: the steps below work in place
+        if any(m > 0 for m in min_p):
+            self._min_p(probs, min_p)
+        self._restrict(probs, top_k, top_p)
+        return probs
+
+    def race(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token per row of (unnormalised) `probs` by the exponential race (see _draw)."""
+        dev = probs.device
+        noise = torch.empty_like(probs)
+        noise.uniform_(_TINY, 1.0, generator=self._unseeded_generator(dev))
+        return noise.log_().div_(probs).argmax(dim=-1)
+
+    def uniform(self, n: int, device: torch.device) -> torch.Tensor:
+        """`n` uniforms in [0, 1) from the unseeded generator."""
+        return torch.rand(n, device=device, generator=self._unseeded_generator(device))
 
     @staticmethod
     def _min_p(probs: torch.Tensor, min_p: list[float]) -> None:
