@@ -8,6 +8,13 @@ Each contestant runs at its own precision, and the report says which: llama.cpp 
 GGUF's 4-bit weights as shipped; Tandem dequantizes them to float32 or bfloat16 (`--dtypes`).
 llama.cpp runs in a process of its own (benchmarks/single_llamacpp.py); Tandem in this one, on
 the same number of threads. Prints the CPU's flags; writes single.json and single.png to --out.
+
+Speculative decoding (issue 29): a `-spec` spec (e.g. float32-gguf-spec) runs Tandem with n-gram
+prompt lookup (SPEC below), and llama.cpp then runs a second time with its own draftless
+prompt lookup (llama-cpp-python's LlamaPromptLookupDecoding). `--prompts grounded` times
+prompts whose answers repeat their input (copy a passage, edit a function, answer from a
+text: benchmarks/grounded.py), chat-templated; `random` (the default) has nothing to look up,
+the case where speculation must not cost.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ import time
 from pathlib import Path
 
 from benchmarks.common import python_env, random_prompts
+from benchmarks.grounded import grounded_prompts
 from benchmarks.weight_kernels import cpu_flags
 
 LLAMACPP_PYTHON = str(Path(__file__).resolve().parents[2] / "peers" / "llamacpp" / "bin" / "python")
 CHILD = Path(__file__).resolve().with_name("single_llamacpp.py")
+# Tandem's `-spec` rows and llama.cpp's prompt-lookup row: the same k (tokens drafted per step).
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtypes",
         default="float32,float32-gguf,float32-compiled,bfloat16,bfloat16-gguf,bfloat16-compiled,bfloat16-int4",
-        help="Tandem's, comma-separated: <dtype>[-int4|-gguf][-compiled]; -int4: the layers' weights at 4 bits "
+        help="Tandem's, comma-separated: <dtype>[-int4|-gguf][-compiled][-spec]; -spec: n-gram speculative "
+        "decoding (speculative_config); -int4: the layers' weights at 4 bits "
         "(quantization='int4'); -gguf: the GGUF's Q4_1/Q8_0 blocks as shipped, Tandem's integer kernel "
         "(quantization='gguf'); -compiled: the captured decode step (enforce_eager=False)",
     )
@@ -48,6 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "reads the bundled GGUF, so the comparison means something only with the default (a tiny model: tests)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prompts",
+        choices=["random", "grounded"],
+        default="random",
+        help="random token ids (nothing to look up), or grounded chat prompts whose answers repeat their input",
+    )
     p.add_argument("--out", default="bench_out")
 
 
@@ -86,10 +103,11 @@ def run_tandem(spec: str, data: dict, threads: int, model: str | None = None) ->
 
     torch.set_num_threads(threads)
     dtype, *options = spec.split("-")
-    if set(options) - {"int4", "gguf", "compiled"} or {"int4", "gguf"} <= set(options):
-        raise ValueError(f"--dtypes: {spec!r} must be <dtype>[-int4|-gguf][-compiled]")
+    if set(options) - {"int4", "gguf", "compiled", "spec"} or {"int4", "gguf"} <= set(options):
+        raise ValueError(f"--dtypes: {spec!r} must be <dtype>[-int4|-gguf][-compiled][-spec]")
     quant = next((q for q in ("int4", "gguf") if q in options), "float")
     compiled = "compiled" in options
+    speculative = SPEC if "spec" in options else None
     n = data["max_tokens"]
     longest = max(len(p) for p in data["prompts"] + [data["warmup"]])
     t = time.perf_counter()
@@ -103,6 +121,7 @@ def run_tandem(spec: str, data: dict, threads: int, model: str | None = None) ->
             enable_prefix_caching=False,
             quantization=quant,
             enforce_eager=not compiled,
+            speculative_config=speculative,
         )
     )
     load_s = time.perf_counter() - t
@@ -125,19 +144,30 @@ def run_tandem(spec: str, data: dict, threads: int, model: str | None = None) ->
             while engine.has_unfinished():
                 engine.step()
             runs.append({"prompt_tokens": len(prompt), "t0": t0, "token_times": times})
+        stats = engine.scheduler.stats()
     finally:
         engine.close()
     assert all(len(r["token_times"]) == n for r in runs), "every run must make exactly max_tokens tokens"
+    extra = {"load_s": load_s}
+    if speculative:
+        drafted, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+        extra["spec"] = {
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else None,
+        }
     precision = {
         "int4": f"{dtype}, layers at 4 bits (int4)",
         "gguf": f"{dtype}, GGUF Q4_1/Q8_0 blocks, 8-bit acts",
         "float": f"{dtype} (GGUF dequantized)",
     }[quant]
     precision += ", captured" if compiled else ""
-    return _median_row(f"tandem {spec}", precision, runs[1:], {"load_s": load_s})
+    precision += ", n-gram speculation" if speculative else ""
+    return _median_row(f"tandem {spec}", precision, runs[1:], extra)
 
 
-def run_llamacpp(args, data: dict, threads: int, out: Path) -> tuple[dict | None, str | None]:
+def run_llamacpp(args, data: dict, threads: int, out: Path, lookup: int = 0) -> tuple[dict | None, str | None]:
+    """llama.cpp's row; `lookup` > 0: with its prompt-lookup drafts of that many tokens."""
     if not Path(args.llamacpp_python).exists():
         return None, f"no llama.cpp Python at {args.llamacpp_python} (see ../shared/PEERS.md, or --llamacpp-python)"
     from runtime.llm.loader import default_model_path
@@ -157,15 +187,18 @@ def run_llamacpp(args, data: dict, threads: int, out: Path) -> tuple[dict | None
             default_model_path(),
             "--threads",
             str(threads),
+            "--prompt-lookup",
+            str(lookup),
         ]
         env = {k: v for k, v in python_env().items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        log = out / "llamacpp.log"
+        log = out / ("llamacpp-lookup.log" if lookup else "llamacpp.log")
         with open(log, "w") as f:
             proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=3600)
         if proc.returncode != 0 or not result.exists():
             return None, f"llama.cpp failed (exit {proc.returncode}); see {log}"
         res = json.loads(result.read_text())
-    row = _median_row("llama.cpp", res["precision"], res["runs"], {"load_s": res["load_s"], "version": res["version"]})
+    name = "llama.cpp + prompt lookup" if lookup else "llama.cpp"
+    row = _median_row(name, res["precision"], res["runs"], {"load_s": res["load_s"], "version": res["version"]})
     return row, None
 
 
@@ -179,38 +212,67 @@ def run(args) -> int:
 
     hf_dir, _ = resolve_hf_dir(args.model)
     vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
-    prompts = random_prompts(args.runs + 1, args.prompt_len, vocab, f"{args.seed}-single")
+    if args.prompts == "grounded":
+        prompts = grounded_prompts(hf_dir, args.runs + 1)
+    else:
+        prompts = random_prompts(args.runs + 1, args.prompt_len, vocab, f"{args.seed}-single")
     data = {"warmup": prompts[0], "prompts": prompts[1:], "max_tokens": args.max_tokens}
     flags = cpu_flags()
     print(
         f"CPU flags: {flags}; {threads} threads; prompt {args.prompt_len} tokens, {args.max_tokens} generated, "
-        f"{args.runs} runs after a warm-up",
+        f"{args.runs} runs after a warm-up; {args.prompts} prompts",
         flush=True,
     )
     rows = []
     for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
         rows.append(run_tandem(dtype, data, threads, args.model))
         print(f"  {rows[-1]['contestant']}: decode {rows[-1]['decode_tokens_per_s']:.1f} tok/s", flush=True)
+    specs = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     peer, reason = run_llamacpp(args, data, threads, out)
-    if peer is not None:
-        rows.append(peer)
-    print(f"\n{'contestant':30s} {'precision':44s} {'decode tok/s':>12s} {'prefill tok/s':>13s} {'TTFT ms':>8s}")
+    peer_spec = None
+    if peer is not None and any(d.endswith("-spec") for d in specs):
+        peer_spec, why = run_llamacpp(args, data, threads, out, lookup=SPEC["num_speculative_tokens"])
+        if peer_spec is None:
+            print(f"llama.cpp with prompt lookup not run: {why}")
+    for r in (peer, peer_spec):
+        if r is not None:
+            rows.append(r)
+    print(f"\n{'contestant':30s} {'precision':52s} {'decode tok/s':>12s} {'prefill tok/s':>13s} {'TTFT ms':>8s}")
     for r in rows:
         print(
-            f"{r['contestant']:30s} {r['precision']:44s} {r['decode_tokens_per_s']:12.1f} "
+            f"{r['contestant']:30s} {r['precision']:52s} {r['decode_tokens_per_s']:12.1f} "
             f"{r['prefill_tokens_per_s']:13.1f} {r['ttft_ms']:8.1f}"
+        )
+    tandem = [r for r in rows if r["contestant"].startswith("tandem ")]
+    by_name = {r["contestant"]: r for r in tandem}
+    for r in tandem:  # speculation against the same configuration without it
+        name = r["contestant"]
+        if not name.endswith("-spec") or name[: -len("-spec")] not in by_name:
+            continue
+        ratio = r["decode_tokens_per_s"] / by_name[name[: -len("-spec")]]["decode_tokens_per_s"]
+        r["decode_vs_no_spec"] = ratio
+        target, need = ("2x", 2.0) if args.prompts == "grounded" else ("0.97x", 0.97)
+        acc = r.get("spec", {}).get("acceptance")
+        print(
+            f"{name} / without speculation: decode {ratio:.2f}x (target >= {target} on {args.prompts} prompts: "
+            f"{'met' if ratio >= need else 'NOT met'}); drafts accepted {acc if acc is None else f'{acc:.0%}'}"
         )
     if peer is None:
         print(f"llama.cpp not run: {reason}")
         print("target (decode >= 1.0x llama.cpp on the same GGUF): not measured in this run")
     else:
-        for r in rows[:-1]:
-            r["decode_vs_llamacpp"] = r["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
-            r["prefill_vs_llamacpp"] = r["prefill_tokens_per_s"] / peer["prefill_tokens_per_s"]
-            met = "met" if r["decode_vs_llamacpp"] >= 1.0 else "NOT met"
+        for r in tandem:
+            spec_row = r["contestant"].endswith("-spec")
+            ref = peer_spec if spec_row and peer_spec is not None else peer
+            if spec_row and peer_spec is None:
+                continue
+            r["decode_vs_llamacpp"] = r["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
+            r["prefill_vs_llamacpp"] = r["prefill_tokens_per_s"] / ref["prefill_tokens_per_s"]
+            need = 1.3 if spec_row and args.prompts == "grounded" else 1.0
+            met = "met" if r["decode_vs_llamacpp"] >= need else "NOT met"
             print(
-                f"{r['contestant']} / llama.cpp: decode {r['decode_vs_llamacpp']:.2f}x "
-                f"(target >= 1.0x: {met}), prefill {r['prefill_vs_llamacpp']:.2f}x"
+                f"{r['contestant']} / {ref['contestant']}: decode {r['decode_vs_llamacpp']:.2f}x "
+                f"(target >= {need}x: {met}), prefill {r['prefill_vs_llamacpp']:.2f}x"
             )
     report = {
         "cpu_flags": flags,
@@ -221,6 +283,7 @@ def run(args) -> int:
         "runs": args.runs,
         "seed": args.seed,
         "llamacpp_reason": reason,
+        "prompts": args.prompts,
         "rows": rows,
     }
     (out / "single.json").write_text(json.dumps(report, indent=2))
@@ -241,7 +304,11 @@ def _plot(rows: list[dict], path: Path) -> None:
         (axes[0], "decode_tokens_per_s", "decode tokens/s, one sequence"),
         (axes[1], "prefill_tokens_per_s", "prefill tokens/s"),
     ):
-        ax.bar(names, [r[key] for r in rows], color=["tab:orange" if n == "llama.cpp" else "tab:blue" for n in names])
+        ax.bar(
+            names,
+            [r[key] for r in rows],
+            color=["tab:orange" if n.startswith("llama.cpp") else "tab:blue" for n in names],
+        )
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=20)
     fig.tight_layout()

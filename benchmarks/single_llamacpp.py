@@ -19,10 +19,17 @@ def main() -> int:
     p.add_argument("--result", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--prompt-lookup", type=int, default=0, help="> 0: llama.cpp's prompt-lookup drafts of N tokens")
     args = p.parse_args()
     with open(args.prompts_file) as f:
         data = json.load(f)
     from llama_cpp import Llama, __version__
+
+    draft = {}
+    if args.prompt_lookup > 0:  # llama-cpp-python's draftless speculation (n-gram prompt lookup)
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=args.prompt_lookup)
 
     n_ctx = max(len(pr) for pr in data["prompts"] + [data["warmup"]]) + data["max_tokens"] + 16
     t = time.perf_counter()
@@ -33,6 +40,7 @@ def main() -> int:
         n_threads_batch=args.threads,
         n_batch=512,
         verbose=False,
+        **draft,
     )
     load_s = time.perf_counter() - t
     runs = []
@@ -48,7 +56,7 @@ def main() -> int:
         runs.append({"prompt_tokens": len(prompt), "t0": t0, "token_times": times})
     result = {
         "version": __version__,
-        "precision": "GGUF as shipped (Q4_1, 4-bit)",
+        "precision": "GGUF as shipped (Q4_1, 4-bit)" + (", prompt lookup" if args.prompt_lookup else ""),
         "load_s": load_s,
         "warmup": runs[0],
         "runs": runs[1:],

@@ -113,6 +113,10 @@ COUNTERS = {
     "vision_images": "Images detected.",
     "vision_batches": "Vision forward passes.",
     "num_preemptions": "Requests preempted (KV blocks taken back, recomputed later).",
+    # Speculative decoding (vLLM's names), fed from SchedulerStats as num_preemptions is.
+    "spec_decode_num_drafts": "Verification rounds: a request's drafts checked in one step.",
+    "spec_decode_num_draft_tokens": "Draft tokens proposed and verified.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
 }
 # name -> help; gauges a snapshot carries (read from the engines when it is taken).
 GAUGES = {

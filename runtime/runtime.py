@@ -136,6 +136,7 @@ class Runtime:
         self.step_ms: deque[float] = deque(maxlen=256)
         self.metrics = ServingMetrics()  # Prometheus figures, as vLLM names them (runtime/metrics.py)
         self._num_preemptions = 0
+        self._spec_counted: dict[str, int] = {}  # speculation's SchedulerStats totals already counted
         self._num_computed_prompt = 0  # SchedulerStats.num_computed_prompt_tokens, fed as num_preemptions is
         self.vision = self.llm = None
         self._blocked_since: float | None = None  # vision holds every lane while the LLM waits
@@ -313,6 +314,13 @@ class Runtime:
                 self._num_preemptions = load.num_preemptions
                 self.metrics.add("prompt_tokens_computed", load.num_computed_prompt_tokens - self._num_computed_prompt)
                 self._num_computed_prompt = load.num_computed_prompt_tokens
+                for name, total in (
+                    ("spec_decode_num_drafts", load.spec_num_drafts),
+                    ("spec_decode_num_draft_tokens", load.spec_num_draft_tokens),
+                    ("spec_decode_num_accepted_tokens", load.spec_num_accepted_tokens),
+                ):
+                    self.metrics.add(name, total - self._spec_counted.get(name, 0))
+                    self._spec_counted[name] = total
             if self.vision is not None:
                 gauges["vision_queue_depth"] = self.vision.scheduler.stats().num_waiting
         return self.metrics.snapshot(gauges)

@@ -164,6 +164,9 @@ class ContinuousBatchScheduler:
             pool.num_blocks - pool.num_free_blocks,
             pool.num_blocks,
             self.table.num_computed_prompt_tokens,
+            self.spec_stats.num_drafts,
+            self.spec_stats.num_draft_tokens,
+            self.spec_stats.num_accepted_tokens,
         )
 
     def schedule(self, now: float = 0.0) -> StepPlan:
@@ -214,8 +217,9 @@ class ContinuousBatchScheduler:
             if spare <= 0:
                 break
             n = len(req.token_ids)
-            # Past min_tokens only: the runner then masks no stop id in any drafted position.
-            if not req.spec_ok or n - req.num_computed_tokens != 1 or n < req.min_len:
+            # Before min_tokens the runner masks stop ids in the one row it samples: drafts wait
+            # until then (a request with no stop ids, e.g. ignore_eos, has nothing masked).
+            if not req.spec_ok or n - req.num_computed_tokens != 1 or (n < req.min_len and req.stop_token_ids):
                 continue
             room = min(k, spare, req.max_len - n - 1)  # the bonus token must fit too
             if room > 0:

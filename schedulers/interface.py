@@ -67,6 +67,10 @@ class SchedulerStats:
     # LLM: prompt tokens whose KV was computed, since start (prefix-cache hits and the prompt
     # that n > 1 choices share are not counted again; recomputes after preemption are).
     num_computed_prompt_tokens: int = 0
+    # LLM speculative decoding, since start (schedulers/speculation.py's SpeculationStats).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float | None:

@@ -145,7 +145,8 @@ def test_stop_criteria_inside_an_accepted_run(tiny_llama_dir):
     ids = free[0].outputs[0].token_ids
     stop_id = ids[17]  # a token the greedy text reaches; it ends there (or at its first occurrence)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, 2, 3, 7, 13)] + [
-        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, min_tokens=20, stop_token_ids=[stop_id]),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]),
     ]
     base = base_llm.generate([prompt] * len(params), params, use_tqdm=False)
     llm = LLM(model=tiny_llama_dir, dtype="float32", device="cpu", max_model_len=1024, speculative_config=SPEC, **kw)

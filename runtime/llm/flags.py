@@ -17,7 +17,21 @@ ENGINE_FIELDS = (
     "kv_cache_bytes",
     "quantization",
     "enforce_eager",
+    "speculative_config",
 )
+
+
+def _json_object(text: str) -> dict:
+    """--speculative-config's value: a JSON object (argparse reports the error with the flag)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def add_engine_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -56,6 +70,15 @@ def add_engine_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
         default=None,
         help="eager steps only (the default); --no-enforce-eager: decode steps run a captured graph once it "
         "compiles, in the background (CPU: torch.compile; CUDA: CUDA graphs); BENCHMARKS.md",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='draftless speculative decoding, vLLM\'s dict: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off). Helps one or a few users on text '
+        "that repeats its input (summaries, extraction, edits); exact for greedy requests; README",
     )
 
 
