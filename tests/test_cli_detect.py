@@ -187,7 +187,8 @@ def test_start_up_profile_is_cached_per_model_and_input_size(capsys, monkeypatch
         return real(self, sizes, iters)
 
     monkeypatch.setattr(YoloRunner, "profile", counted)
-    argv = [str(images / "bus.jpg"), "--conf", "0.0001", "--max-batch-size", "2"]
+    # torch only: "auto" (the default) would time three backends (tests/test_vision_backends.py)
+    argv = [str(images / "bus.jpg"), "--conf", "0.0001", "--max-batch-size", "2", "--backend", "torch"]
 
     def detect(imgsz):
         parser = argparse.ArgumentParser()
@@ -302,6 +303,19 @@ def test_backend_reaches_the_runner_and_keeps_the_boxes(capsys, shapes, tmp_path
     assert [x["cls"] for x in ort_lines] == [x["cls"] for x in torch_lines]
     for a, b in zip(ort_lines, torch_lines):
         assert np.allclose(np.array(a["boxes"]), np.array(b["boxes"]), atol=0.5)
+
+
+def test_the_default_backend_is_auto_and_the_start_up_line_says_what_ran_and_why(capsys, images):
+    """No --backend: "auto"; with --no-profile there are no rates to choose by, so torch runs,
+    and the start-up line says so (tests/test_vision_backends.py: the choice with a profile)."""
+    parser = argparse.ArgumentParser()
+    add_detect_arguments(parser)
+    assert parser.parse_args(["x.jpg"]).backend == "auto"
+    code, lines, err = _run(capsys, str(images / "bus.jpg"))
+    assert code == 0 and len(lines) == 1
+    line = next(x for x in err.splitlines() if x.startswith("tandem detect: vision backend "))
+    assert line.startswith("tandem detect: vision backend torch (auto without the start-up profile")
+    assert "exports 0.0 s, profile 0.0 s" in line
 
 
 def test_bad_backend_is_a_usage_error_naming_the_flag(capsys, shapes):

@@ -367,6 +367,11 @@ def test_profiling_picks_a_preferred_size_and_memory_is_reserved():
         assert set(eng.profile_rates) == {1, 2} and all(r > 0 for r in eng.profile_rates.values())
         assert eng.preferred_batch_sizes == (eng.runner.best_batch_size(eng.profile_rates),)
         assert eng.scheduler.config.preferred_batch_sizes == eng.preferred_batch_sizes
+        # VisionConfig's backend stays torch (the parity path); its start-up cost is reported
+        startup = eng.stats()["startup"]
+        assert eng.stats()["backend"] == startup["backend"] == startup["requested"] == "torch"
+        assert startup["why"] == "configured" and startup["export_s"] == 0.0 and startup["skipped"] == {}
+        assert 0 <= startup["profile_s"] < startup["startup_s"]  # 0.0 where the profile cache had the rates
         owner = eng.runner.memory_owner
         assert owner == "vision"
         owners = memory.stats()["owners"]

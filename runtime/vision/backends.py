@@ -6,7 +6,8 @@ float32 batch in [0, 1] into the tensor `LoadedModel.forward` gives: (B, k, 6) f
 end-to-end head, (B, 4 + nc, anchors) for the NMS head. That is what Triton does with its
 backends: one scheduler, several engines behind it.
 
-- "torch": the loaded module (traced on CPU); the exact Ultralytics parity path, the default.
+- "torch": the loaded module (traced on CPU); the exact Ultralytics parity path, VisionConfig's
+  default (the CLI's is "auto", see profiling.py).
 - "onnxruntime", "openvino": Ultralytics' own exporter (`YOLO(pt).export`) writes the model
   from the same weights, with dynamic batch, height and width (the runner's rect letterbox
   gives non-square inputs), and the head it is asked for (nms=False keeps the end-to-end head).
@@ -21,7 +22,9 @@ backends: one scheduler, several engines behind it.
 Exports are cached under TANDEM_CACHE_DIR (or ~/.cache/tandem)/vision_exports/<key>, where the
 key is what the file depends on: the weights' content hash (a .yaml: its path and seed), the
 input size, the head, the format, and the exporter's and runtime's versions and the machine
-(CPU model and flags). An export takes 5 to 20 s here; a second load reads the file.
+(CPU model and flags). An export takes 2 to 20 s here; a second load reads the file. The
+exporter's own report (a dozen lines on stdout) is kept quiet: `tandem detect` prints JSON lines
+on stdout, and the start-up line says what the export cost instead.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import platform
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +50,19 @@ BACKENDS = ("torch", "onnxruntime", "openvino", "onnxruntime-int8")  # what a ru
 EXPORTED = BACKENDS[1:]
 CALIBRATION_IMAGES = 64  # generated training images for int8 calibration
 CALIBRATION_SEED = 0  # the training set's seed (runtime/vision/synthetic.write_dataset)
+
+
+def unavailable(backend: str, device: str) -> str | None:
+    """Why `backend` cannot run here (None: it can): the exports run on the CPU, through their
+    runtime's Python package."""
+    if backend == "torch":
+        return None
+    if device != "cpu":
+        return f"runs on the CPU only, the device is {device}"
+    package = backend.removesuffix("-int8")
+    if importlib.util.find_spec(package) is None:
+        return f"{package} is not installed (pip install {package})"
+    return None
 
 
 def cache_root() -> Path:
@@ -130,17 +148,25 @@ def _ultralytics_export(config: VisionConfig, fmt: str, end2end: bool, max_det: 
     extra = {}
     if fmt == "onnx":  # onnxslim where installed; without it the exporter would pip-install it at run time
         extra["simplify"] = importlib.util.find_spec("onnxslim") is not None
-    made = yolo.export(
-        **extra,
-        format=fmt,
-        imgsz=config.imgsz,
-        dynamic=True,
-        batch=1,
-        nms=False if end2end else None,  # False: keep the NMS-free head; None: raw one-to-many output
-        max_det=max_det,
-        device="cpu",
-        verbose=False,
-    )
+    # verbose=False does not quiet the exporter: it logs a dozen lines to stdout through
+    # Ultralytics' logger, which would land among `tandem detect`'s JSON lines.
+    logger = logging.getLogger("ultralytics")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        made = yolo.export(
+            **extra,
+            format=fmt,
+            imgsz=config.imgsz,
+            dynamic=True,
+            batch=1,
+            nms=False if end2end else None,  # False: keep the NMS-free head; None: raw one-to-many output
+            max_det=max_det,
+            device="cpu",
+            verbose=False,
+        )
+    finally:
+        logger.setLevel(level)
     made = Path(made)
     return made / "model.xml" if fmt == "openvino" else made
 
@@ -192,16 +218,25 @@ def _quantize_int8(src: Path, dst: Path, imgsz: int) -> Path:
     return dst
 
 
-def exported_model(config: VisionConfig, backend: str, end2end: bool, max_det: int) -> Path:
-    """The backend's model file for the config, from the cache or exported (then cached)."""
-    global EXPORT_COUNT
+_FILE_NAMES = {"onnxruntime": "model.onnx", "onnxruntime-int8": "model.int8.onnx", "openvino": "model.xml"}
+
+
+def cached_export(config: VisionConfig, backend: str, end2end: bool, max_det: int) -> Path | None:
+    """The backend's model file for the config where the cache holds it, else None."""
     if backend not in EXPORTED:
         raise ValueError(f"backend must be one of {EXPORTED} to be exported, got {backend!r}")
     final = cache_root() / export_key(config, backend, end2end, max_det)
-    name = {"onnxruntime": "model.onnx", "onnxruntime-int8": "model.int8.onnx", "openvino": "model.xml"}[backend]
-    found = next(final.rglob(name), None) if final.is_dir() else None
+    return next(final.rglob(_FILE_NAMES[backend]), None) if final.is_dir() else None
+
+
+def exported_model(config: VisionConfig, backend: str, end2end: bool, max_det: int) -> Path:
+    """The backend's model file for the config, from the cache or exported (then cached)."""
+    global EXPORT_COUNT
+    found = cached_export(config, backend, end2end, max_det)
     if found is not None:
         return found
+    final = cache_root() / export_key(config, backend, end2end, max_det)
+    name = _FILE_NAMES[backend]
     with _EXPORT_LOCK:
         found = next(final.rglob(name), None) if final.is_dir() else None
         if found is not None:
@@ -275,10 +310,14 @@ class OpenVinoForward:
 
 
 def load_forward(config: VisionConfig, backend: str, end2end: bool, max_det: int, workers: int, threads: int):
-    """A callable (B, 3, H, W) float32 -> raw head output, for an exported backend."""
+    """(a callable (B, 3, H, W) float32 -> raw head output for an exported backend, the seconds
+    this call spent exporting: 0.0 where the cache had the export)."""
     if config.device != "cpu":
         raise ValueError(f"backend {backend!r} runs on the CPU only; device is {config.device!r} (use backend 'torch')")
+    t0 = time.perf_counter()
+    cached = cached_export(config, backend, end2end, max_det) is not None
     path = exported_model(config, backend, end2end, max_det)
+    export_s = 0.0 if cached else time.perf_counter() - t0
     if backend == "openvino":
-        return OpenVinoForward(path, threads, workers, bf16=config.resolved_dtype() == "bfloat16")
-    return OrtForward(path, threads)
+        return OpenVinoForward(path, threads, workers, bf16=config.resolved_dtype() == "bfloat16"), export_s
+    return OrtForward(path, threads), export_s

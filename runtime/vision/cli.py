@@ -142,28 +142,35 @@ def quiet_opencv() -> None:
         pass
 
 
-def run_detect(args: argparse.Namespace) -> int:
+def detect_config(args: argparse.Namespace):
+    """The VisionConfig `tandem detect` runs with these flags (ValueError naming a bad one).
+    `python -m benchmarks vision` builds its "default flags" row with it."""
     from runtime.devices import checked_device
     from runtime.vision.config import VisionConfig, vision_batching
+
+    device = checked_device("--device", args.device)
+    batching = vision_batching(max_batch_size=args.max_batch_size, max_queue_delay_ms=args.max_queue_delay_ms)
+    return VisionConfig(
+        model=args.model,
+        imgsz=args.imgsz or default_imgsz(args.model),
+        conf=args.conf,
+        iou=args.iou,
+        end2end=False if args.nms else None,
+        classes=args.classes,
+        backend=args.backend,
+        device=device,
+        dtype=args.dtype,
+        batching=batching,
+        profile=not args.no_profile,
+        **max_image_pixels_option(args),
+    )
+
+
+def run_detect(args: argparse.Namespace) -> int:
     from sources import SourceError, StreamConfig, load_source
 
     try:
-        device = checked_device("--device", args.device)
-        batching = vision_batching(max_batch_size=args.max_batch_size, max_queue_delay_ms=args.max_queue_delay_ms)
-        config = VisionConfig(
-            model=args.model,
-            imgsz=args.imgsz or default_imgsz(args.model),
-            conf=args.conf,
-            iou=args.iou,
-            end2end=False if args.nms else None,
-            classes=args.classes,
-            backend=args.backend,
-            device=device,
-            dtype=args.dtype,
-            batching=batching,
-            profile=not args.no_profile,
-            **max_image_pixels_option(args),
-        )
+        config = detect_config(args)
         if args.track:
             from runtime.vision.tracking import missing_dependency
 
@@ -260,6 +267,7 @@ def _detect(args: argparse.Namespace, config, source) -> int:
         return EXIT_USAGE
     preferred = list(engine.preferred_batch_sizes) or "none (max_batch_size or max_queue_delay_ms releases)"
     print(f"tandem detect: model {engine.runner.description}; preferred batch sizes {preferred}", file=sys.stderr)
+    print(f"tandem detect: {engine.startup_line()}", file=sys.stderr)
     finite = source.total is not None or source.kind != "streams"
     bar = tqdm(total=source.total, unit="frame", file=sys.stderr, disable=not finite)
     writer = AnnotatedWriter(numbered_dir(args.save), vid_stride=args.vid_stride) if args.save else None

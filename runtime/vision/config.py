@@ -81,6 +81,8 @@ class VisionConfig:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     # Only these class ids are kept (Ultralytics' predict `classes`); None keeps every class.
     classes: tuple[int, ...] | None = None
+    # torch here, "auto" on the CLI (runtime/vision/flags.py): the Python API keeps Ultralytics'
+    # exact results by default, and an engine built in a test or a bench pays no exports.
     backend: str = "torch"
 
     def threads(self) -> tuple[int, int | None]:

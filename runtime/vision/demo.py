@@ -47,7 +47,10 @@ def demo_config():
             f"`python -m runtime.vision.train` (see runtime/vision/detector.py)"
         )
     batching = vision_batching(max_batch_size=4, max_queue_delay_ms=10.0)
-    return VisionConfig(model=str(WEIGHTS), imgsz=IMGSZ, batching=batching, profile_iters=1)
+    # torch, not the CLI's "auto": from a clean cache, auto's two exports and three timed
+    # backends took the vision start-up from 1.8 s to 22.3 s (17.3 s of it exporting; shipped
+    # detector, 2 busy cores), most of the demo's budget, for a few images.
+    return VisionConfig(model=str(WEIGHTS), imgsz=IMGSZ, batching=batching, profile_iters=1, backend="torch")
 
 
 def describe(detections) -> str:

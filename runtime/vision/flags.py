@@ -30,10 +30,11 @@ def max_image_pixels_option(args: argparse.Namespace) -> dict:
 def add_backend_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--backend",
-        default="torch",
-        help="the forward's engine: torch (Ultralytics' parity path), onnxruntime or openvino (Ultralytics' "
-        "export of the same weights, cached), or auto (the fastest by the start-up profile); "
-        "runtime/vision/backends.py",
+        default="auto",
+        help="the forward's engine: auto (default: the fastest of torch, onnxruntime and openvino by the "
+        "start-up profile, each held within 0.5 mAP of float32; exports and rates are cached, so only a "
+        "first start pays for them; with --no-profile, torch), torch (Ultralytics' parity path), "
+        "onnxruntime or openvino (Ultralytics' export of the same weights); runtime/vision/backends.py",
     )
 
 

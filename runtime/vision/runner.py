@@ -95,7 +95,8 @@ class YoloRunner:
         # The forward's engine (runtime/vision/backends.py); "auto" runs torch until the
         # start-up profile (profiling.py) picks one with use_backend.
         self.backend = "torch"
-        self.backend_rates: dict[str, dict[int, float]] = {}  # "auto": each candidate's measured images/s
+        self.export_s: dict[str, float] = {}  # seconds each backend loaded here spent exporting (0.0: cached)
+        self.choice = None  # profiling.BackendChoice: what the start-up chose and what it cost
         self._forward = self.model.forward
         if self.config.backend not in ("auto", "torch"):
             self.use_backend(self.config.backend)
@@ -132,7 +133,8 @@ class YoloRunner:
         head = self.model.module.model[-1]
         max_det = int(getattr(head, "max_det", self.config.max_det))
         threads = self.config.num_threads or self.config.threads()[1]
-        forward = backends.load_forward(self.config, name, self.model.end2end, max_det, self.workers, threads)
+        forward, export_s = backends.load_forward(self.config, name, self.model.end2end, max_det, self.workers, threads)
+        self.export_s[name] = self.export_s.get(name, 0.0) + export_s
         self.backend, self._forward = name, forward
 
     # -- the two halves of a batch --
