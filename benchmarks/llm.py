@@ -80,10 +80,12 @@ QUICK_WARMUP = ((16, 4), (64, 4))
 QUICK_RATE = 8.0
 REPO = Path(__file__).resolve().parents[1]
 CONTINUOUS, STATIC, VLLM, HF = "tandem continuous", "tandem static", "vllm", "hf generate"
+SPEC = "tandem spec"  # continuous, with n-gram speculative decoding (--with-spec)
 LLAMACPP = "llama.cpp"
 CHILD_NAMES = {
     CONTINUOUS: "tandem-continuous",
     STATIC: "tandem-static",
+    SPEC: "tandem-spec",
     VLLM: "vllm",
     HF: "hf-generate",
     LLAMACPP: "llamacpp",
@@ -139,6 +141,11 @@ def add_bench_arguments(p) -> None:
         help="Tandem's max_num_batched_tokens, the prefill chunk and step budget (default: the engine's, 256 on CPU)",
     )
     p.add_argument("--with-hf", action="store_true", help="add Hugging Face generate in static batches (slow)")
+    p.add_argument(
+        "--with-spec",
+        action="store_true",
+        help="add Tandem continuous with n-gram speculative decoding (benchmarks.single.SPEC); target: no slower",
+    )
     p.add_argument("--no-floor", action="store_true", help="skip the step-against-its-floor measurement")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one contestant process may run")
     p.add_argument("--quick", action="store_true", help="a tiny trace (tests, smoke runs)")
@@ -254,7 +261,7 @@ def compute_ratios(rows: list[dict]) -> list[dict]:
     lcpp = {r["trace"]: r for r in rows if r["contestant"] == LLAMACPP and "tokens_per_s" in r}
     out = []
     for dtype, trace in dict.fromkeys((r["dtype"], r["trace"]) for r in rows if r["contestant"] != LLAMACPP):
-        c, s, v = (by.get((dtype, trace, name)) for name in (CONTINUOUS, STATIC, VLLM))
+        c, s, v, sp = (by.get((dtype, trace, name)) for name in (CONTINUOUS, STATIC, VLLM, SPEC))
         if c is None:
             continue
         g = lcpp.get(trace)
@@ -262,6 +269,7 @@ def compute_ratios(rows: list[dict]) -> list[dict]:
             {
                 "dtype": dtype,
                 "trace": trace,
+                "spec_over_continuous": _ratio(sp and sp["tokens_per_s"], c["tokens_per_s"]),
                 "continuous_over_vllm": _ratio(c["tokens_per_s"], v and v["tokens_per_s"]),
                 "continuous_over_static": _ratio(c["tokens_per_s"], s and s["tokens_per_s"]),
                 "static_steps_over_continuous": _ratio(s and s["steps"], c["steps"]),
@@ -531,7 +539,8 @@ def run_bench(args) -> int:
     traces_file.write_text(json.dumps(data))
     vllm_status = vllm_state(args)
     llamacpp_status = llamacpp_state(args)
-    contestants = [CONTINUOUS, STATIC] + ([VLLM] if vllm_status == "run" else []) + ([HF] if args.with_hf else [])
+    contestants = [CONTINUOUS, STATIC] + ([SPEC] if args.with_spec else [])
+    contestants += ([VLLM] if vllm_status == "run" else []) + ([HF] if args.with_hf else [])
     # (contestant, dtype) in the order they run: llama.cpp once, at its GGUF's own precision
     plan = [(c, d) for d in dtypes for c in contestants]
     if llamacpp_status == "run":
@@ -734,6 +743,9 @@ def print_report(report: dict) -> None:
             line += f", continuous/vLLM {_f(q['ttft_p50_continuous_over_vllm'], '.2f', 'x')}"
             if q.get("llamacpp_precision"):
                 line += f", continuous/llama.cpp {_f(q['ttft_p50_continuous_over_llamacpp'], '.2f', 'x')}"
+        if q.get("spec_over_continuous") is not None:
+            met = "met" if q["spec_over_continuous"] >= 1.0 else "NOT met"
+            line += f"; speculation on/off {q['spec_over_continuous']:.2f}x tokens/s (target >= 1.0x: {met})"
         print(line)
     if report["floor"]:
         print("\nstep against its floor (tandem continuous):")

@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-CONTESTANTS = ("tandem-continuous", "tandem-static", "hf-generate")
+CONTESTANTS = ("tandem-continuous", "tandem-static", "tandem-spec", "hf-generate")
 
 
 def _write(path: str, obj: dict) -> None:
@@ -114,8 +114,14 @@ def _tandem(args, data: dict) -> dict:
     from runtime.llm.api import LLM
     from runtime.memory import DEFAULT_CPU_BUDGET_BYTES, DeviceMemoryManager, MemoryConfig
 
-    scheduler = args.contestant.split("-", 1)[1]
-    result = {"contestant": f"tandem {scheduler}", "dtype": args.dtype, "runs": {}}
+    name = args.contestant.split("-", 1)[1]
+    scheduler = "continuous" if name == "spec" else name
+    result = {"contestant": f"tandem {name}", "dtype": args.dtype, "runs": {}}
+    speculative = None
+    if name == "spec":  # the continuous engine with n-gram speculation, as `benchmarks single` runs it
+        from benchmarks.single import SPEC
+
+        speculative = SPEC
     t = time.perf_counter()
     # The KV cache the other engines get too: the default budget (weights, activations, ...)
     # grows by exactly that much, so that the pool is that size whatever the dtype.
@@ -132,6 +138,7 @@ def _tandem(args, data: dict) -> dict:
         enable_prefix_caching=False,
         kv_cache_bytes=kv_bytes,
         memory=memory,
+        speculative_config=speculative,
         quantization="float",  # vLLM's CPU build runs the GGUF dequantized: the same weights on both sides
     )
     engine = llm.engine
