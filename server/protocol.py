@@ -66,6 +66,7 @@ _SAMPLING = (
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
+    "speculate",  # Tandem's: false opts this request out of speculative decoding
 )
 # vLLM's guided decoding fields, and the structured_outputs key (contract A) each becomes.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

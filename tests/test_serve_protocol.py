@@ -64,6 +64,7 @@ def _param(fn, body) -> str:
         ("request_timeout", float("nan")),
         ("temperature", float("inf")),
         ("temperature", float("nan")),
+        ("speculate", "no"),
     ],
 )
 def test_each_bad_completion_field_is_refused_naming_it(field, value):

@@ -158,6 +158,23 @@ def test_stop_criteria_inside_an_accepted_run(tiny_llama_dir):
     assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
 
 
+def test_a_request_can_opt_out(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, dtype="float32", device="cpu", max_model_len=1024, speculative_config=SPEC)
+    prompt = _prompts(llm.tokenizer)[2]
+    llm.generate(
+        [prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, speculate=False), use_tqdm=False
+    )
+    assert llm.engine.scheduler.spec_stats.num_drafts == 0
+    llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.scheduler.spec_stats.num_drafts > 0
+    with pytest.raises(ValueError, match="speculate"):
+        SamplingParams(speculate="no")
+    from server import protocol
+
+    gen = protocol.parse_completion({"prompt": "hi", "max_tokens": 4, "speculate": False})
+    assert gen.job["speculate"] is False
+
+
 # ---- the sampled distribution ------------------------------------------------------------------
 
 

@@ -225,7 +225,8 @@ class InputProcessor:
             # Speculation drafts only where verification keeps the request exact with nothing
             # per position but its temperature, top-k, top-p and min-p (runtime/llm/spec_verify.py):
             # penalties, grammars, logprobs, seeds and stop strings decode one token a step.
-            spec_ok=not (
+            spec_ok=params.speculate
+            and not (
                 params.has_penalties
                 or params.structured_outputs is not None
                 or params.logprobs is not None

@@ -74,6 +74,10 @@ class SamplingParams:
     # cumulative logprob returned; None = n. Choice k samples with choice_seed(seed, k).
     n: int = 1
     best_of: int | None = None
+    # False: this request never drafts when the engine runs speculative decoding (its tokens
+    # are the same either way for greedy requests; a sampled one keeps its random draws as
+    # without speculation). No effect on an engine without speculative_config.
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         if self.prompt_logprobs is not None and (
@@ -174,7 +178,7 @@ class SamplingParams:
         mp = self.min_p
         if isinstance(mp, bool) or not isinstance(mp, (int, float)) or not 0 <= mp <= 1:
             raise FieldError("min_p", f"min_p must be a number in [0, 1] (0 = off), got {mp!r}", OUT_OF_RANGE)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise FieldError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.structured_outputs is not None:
