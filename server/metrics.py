@@ -85,9 +85,9 @@ MUX_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 def _camera_families(payloads: list[dict]) -> Iterator[Any]:
     """Per camera: {"camera", "url", "up" (0/1), "fps", "frames", "drops", "detections",
     "reconnects", "state", "drops_by_reason", "carried_over", "latency_ms_p50",
-    "latency_ms_p99", "batch_size_mean"} as a camera service lists them under "cameras"; per
-    service, its muxer under "batching" ({"window_ms", "batch_sizes": {size: groups},
-    "closed": {"complete"|"timeout": groups}})."""
+    "latency_ms_p99", "batch_size_mean", "counts" (of its lines and zones)} as a camera service
+    lists them under "cameras"; per service, its muxer under "batching" ({"window_ms",
+    "batch_sizes": {size: groups}, "closed": {"complete"|"timeout": groups}})."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     labels = ["tandem_instance", "camera"]
@@ -126,8 +126,32 @@ def _camera_families(payloads: list[dict]) -> Iterator[Any]:
     batch_mean = GaugeMetricFamily(
         PREFIX + "camera_batch_size_mean", "Mean forward-pass batch size of the camera's recent frames.", labels=labels
     )
+    crossings = CounterMetricFamily(
+        PREFIX + "camera_line_crossings",
+        "Tracks that crossed a camera's line, by direction (runtime/vision/analytics.py).",
+        labels=[*labels, "line", "direction"],
+    )
+    occupancy = GaugeMetricFamily(
+        PREFIX + "camera_zone_occupancy", "Tracks in a camera's zone now.", labels=[*labels, "zone"]
+    )
+    zone_moves = {
+        "entries": CounterMetricFamily(
+            PREFIX + "camera_zone_entries", "Tracks that entered a zone.", labels=[*labels, "zone"]
+        ),
+        "exits": CounterMetricFamily(
+            PREFIX + "camera_zone_exits", "Tracks that left a zone.", labels=[*labels, "zone"]
+        ),
+    }
     for instance, cam in cams:
         lv = [instance, str(cam.get("camera", ""))]
+        counts = cam.get("counts") or {}
+        for line, by_direction in sorted((counts.get("lines") or {}).items()):
+            for direction, n in sorted(by_direction.items()):
+                crossings.add_metric([*lv, str(line), str(direction)], float(n))
+        for zone, z in sorted((counts.get("zones") or {}).items()):
+            occupancy.add_metric([*lv, str(zone)], float(z.get("occupancy", 0)))
+            for name, fam in zone_moves.items():
+                fam.add_metric([*lv, str(zone)], float(z.get(name, 0)))
         up.add_metric([*lv, str(cam.get("state", ""))], float(bool(cam.get("up"))))
         fps.add_metric(lv, float(cam.get("fps") or 0.0))
         for name, fam in counters.items():
@@ -145,6 +169,9 @@ def _camera_families(payloads: list[dict]) -> Iterator[Any]:
     yield by_reason
     yield latency
     yield batch_mean
+    yield crossings
+    yield occupancy
+    yield from zone_moves.values()
     yield from _mux_families(payloads)
 
 

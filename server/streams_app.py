@@ -13,9 +13,11 @@ neither post to the service nor reach it through DNS rebinding.
     GET    /cameras             {"cameras": [row, ...]}
     GET    /cameras/{id}/view   annotated MJPEG (multipart/x-mixed-replace) at most --view-fps
     POST   /cameras             {"camera": id, "url": stream URL, "max_fps"?, "policy"?, "queue"?,
-                                 "max_staleness_ms"?, "motion_threshold"?, "tracker"?} -> 201 {"camera": row}
+                                 "max_staleness_ms"?, "motion_threshold"?, "tracker"?, "lines"?,
+                                 "zones"?} -> 201 {"camera": row}
     DELETE /cameras/{id}        {"camera": row}
-    GET    /metrics             Prometheus text: every camera's up/state, fps, frames, drops, ...
+    GET    /metrics             Prometheus text: every camera's up/state, fps, frames, drops, line
+                                crossings, zone occupancy, ...
     GET    /health              {"status": "ok" | "failing", ...}; 503 once the Runtime refuses frames
 
 Errors are serve's (OpenAI's) shape {"error": {"message", "type", "param", "code"}}: 400 bad

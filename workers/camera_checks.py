@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sources.base import is_stream_url
 from sources.stream_reader import Dialled, StreamConfig
@@ -83,6 +83,8 @@ class CameraOptions:
     max_staleness_ms: float | None = None  # None: frames are never too old
     motion_threshold: float | None = None  # None: no motion gate
     tracker: str | None = None  # None, "bytetrack" or "botsort"
+    lines: tuple = ()  # LineSpecs (runtime/vision/analytics.py); check() parses text or lists
+    zones: tuple = ()  # ZoneSpecs, likewise
 
     def check(self) -> CameraOptions:
         if self.policy not in POLICIES:
@@ -109,10 +111,27 @@ class CameraOptions:
             if self.tracker not in TRACKERS:
                 message = f"tracker must be one of {', '.join(TRACKERS)} (unset: none), got {self.tracker!r}"
                 raise CameraError("tracker", message)
-        return self
+        return self._check_analytics()
+
+    def _check_analytics(self) -> CameraOptions:
+        """lines= and zones= parsed (text, a list of objects, or specs already), each needing the
+        camera's tracker: a crossing is a track's, not a box's."""
+        from runtime.vision.analytics import parse_lines, parse_zones
+
+        parsed = {}
+        for name, parse in (("lines", parse_lines), ("zones", parse_zones)):
+            value = getattr(self, name)
+            try:
+                parsed[name] = parse(() if value is None else value)
+            except ValueError as exc:
+                raise CameraError(name, str(exc)) from None
+            if parsed[name] and self.tracker is None:
+                message = f"{name} need tracking on the camera: add tracker=bytetrack (or botsort)"
+                raise CameraError(name, message)
+        return replace(self, **parsed)
 
 
-OPTION_FIELDS = ("max_fps", "policy", "queue", "max_staleness_ms", "motion_threshold", "tracker")
+OPTION_FIELDS = ("max_fps", "policy", "queue", "max_staleness_ms", "motion_threshold", "tracker", "lines", "zones")
 
 
 @dataclass(slots=True)

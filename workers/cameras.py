@@ -35,7 +35,10 @@ A record is `tandem detect`'s JSON line plus where and when the frame came from:
 
 `batch_size` is the forward pass's, `group_size` how many cameras' frames the muxer sent
 together; `carried_over` marks a frame the motion gate kept from the detector (its boxes are
-the last detected frame's).
+the last detected frame's). A camera with lines or zones (runtime/vision/analytics.py) adds
+"events": [{"type": "line_cross", "line", "direction", "track_id", "cls", "at", "point"},
+{"type": "zone_enter", "zone", ...}, {"type": "zone_exit", ..., "dwell_s", "lost"}], and its
+row the running "counts".
 
 `frame` is the decoder's frame number since the camera's last (re)connect, `seq` counts the
 frames this service sent to the detector for the camera, the times are Unix seconds. A
@@ -154,6 +157,8 @@ class CameraService:
         max_staleness_ms: float | None = None,
         motion_threshold: float | None = None,
         tracker: str | None = None,
+        lines=None,
+        zones=None,
     ) -> dict:
         """Start reading a camera; its row. Only network stream URLs unless `allow_local` (a
         `.streams` file's local videos and webcams). CameraError names the bad field.
@@ -162,9 +167,12 @@ class CameraService:
         nothing), "every_frame" a FIFO of `queue` frames (recorded files, counting); frames
         older than `max_staleness_ms` are dropped before inference either way.
         `motion_threshold` (a fraction in (0, 1]) gates the detector on motion; `tracker`
-        ("bytetrack", "botsort") adds track ids to the records."""
+        ("bytetrack", "botsort") adds track ids to the records. `lines` and `zones` (text or
+        lists, runtime/vision/analytics.py; they need a tracker) add crossing and zone events
+        to the records and their counts to the row."""
         check_camera_id(camera_id)
-        options = CameraOptions(policy, queue, max_staleness_ms, motion_threshold, tracker).check()
+        options = CameraOptions(policy, queue, max_staleness_ms, motion_threshold, tracker, lines or (), zones or ())
+        options = options.check()
         if allow_local:
             if not isinstance(url, str) or not url.strip():
                 raise CameraError("url", f"url must be a non-empty string, got {url!r}")
@@ -198,6 +206,10 @@ class CameraService:
                     cam.tracker = make_tracker(tracker, frame_rate=cap or 30.0)
                 except ValueError as exc:
                     raise CameraError("tracker", str(exc)) from None
+            if options.lines or options.zones:
+                from runtime.vision.analytics import CameraAnalytics
+
+                cam.analytics = CameraAnalytics(options.lines, options.zones)
             down = partial(mux.camera_down, cam)
             dial = None if allow_local else partial(dial_camera, self.url_policy)  # a .streams file is the operator's
             buffer = options.queue if options.policy == "every_frame" else 0

@@ -117,6 +117,9 @@ class Publisher:
             except Exception as exc:  # noqa: BLE001 - a tracker bug costs this camera its ids, not the service
                 log.warning("camera %s: tracker failed on frame %s: %s", cam.camera_id, item.frame.index, exc)
         frame = item.frame
+        events = None
+        if cam.analytics is not None and track_ids is not None:
+            events = cam.analytics.update(det.boxes, det.names, track_ids, _frame_time(item), frame.image.shape[1::-1])
         record = _record(
             cam.camera_id,
             cam.public_url,
@@ -131,6 +134,8 @@ class Publisher:
         record["group_size"] = item.group_size
         record["carried_over"] = item.carried
         record["track_ids"] = track_ids  # None: no tracker (or nothing to track)
+        if cam.analytics is not None:  # line_cross, zone_enter, zone_exit (runtime/vision/analytics.py)
+            record["events"] = events or []
         if frame is not None and det is not None:
             cam.latest = (frame.image, record)  # one reference swap: latest() reads it whole
         return record
@@ -166,6 +171,12 @@ class Publisher:
         except RedisError as exc:
             self.count("publish_errors")
             log.warning("could not publish metrics to Redis: %s", exc)
+
+
+def _frame_time(item: Result) -> float:
+    """When the frame was captured (Unix seconds): dwell is measured in the camera's time, not
+    in when the detector happened to finish."""
+    return item.finished if item.captured is None else item.captured
 
 
 def _record(

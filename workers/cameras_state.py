@@ -36,6 +36,7 @@ class Camera:
     options: CameraOptions = field(default_factory=CameraOptions)
     gate: Any = None  # a MotionGate, or None
     tracker: Any = None  # a Tracker (runtime/vision/tracking.py), or None; the publisher's
+    analytics: Any = None  # a CameraAnalytics (runtime/vision/analytics.py), or None; the publisher's
     next_due: float = 0.0
     in_flight: int = 0
     seq: int = 0
@@ -128,6 +129,11 @@ class Camera:
             "max_staleness_ms": o.max_staleness_ms,
             "motion_threshold": o.motion_threshold,
             "tracker": o.tracker,
+            "lines": [s.to_dict() for s in o.lines],
+            "zones": [s.to_dict() for s in o.zones],
+            # Running counts, {"lines": {name: {"in", "out"}}, "zones": {name: {"occupancy",
+            # "entries", "exits"}}} (None: no lines or zones); the publisher swaps it whole.
+            "counts": None if self.analytics is None else self.analytics.counts,
             "carried_over": self.carried,
             "latency_ms_p50": _percentile(latencies, 0.5),
             "latency_ms_p99": _percentile(latencies, 0.99),

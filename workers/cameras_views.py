@@ -2,7 +2,8 @@
 for `tandem streams` (server/streams_app.py mounts them behind its API key and Host check).
 
     GET /cameras/{id}/view   multipart/x-mixed-replace JPEGs of service.latest(id), boxes drawn
-    GET /                    every camera's live view, health, fps, drops and latency
+    GET /                    every camera's live view, health, fps, drops and latency, and the
+                             counts of its lines and zones
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ h1 { font-size: 1.1rem; font-weight: 600; }
 .name { font-weight: 600; }
 .state { font-size: .8rem; padding: 0 .4rem; border-radius: 3px; background: #2e7d32; }
 .cam.down .state { background: #c62828; }
-.stats { font-size: .8rem; color: #bbb; margin-top: .3rem; font-variant-numeric: tabular-nums; }
+.stats, .counts { font-size: .8rem; color: #bbb; margin-top: .3rem; font-variant-numeric: tabular-nums; }
 .err { font-size: .75rem; color: #ef9a9a; min-height: 1em; }
 #status { font-size: .8rem; color: #bbb; }
 </style></head><body>
@@ -112,12 +113,18 @@ h1 { font-size: 1.1rem; font-weight: 600; }
 const grid = document.getElementById("grid");
 const cards = new Map();
 function fmt(v, unit) { return v === null || v === undefined ? "-" : (+v).toFixed(v < 10 ? 1 : 0) + (unit || ""); }
+function counts(c) {  // lines and zones (runtime/vision/analytics.py), null without them
+  if (!c) return "";
+  const parts = Object.entries(c.lines).map(([name, n]) => name + ": in " + n.in + ", out " + n.out);
+  for (const [name, z] of Object.entries(c.zones)) parts.push(name + ": " + z.occupancy + " now, " + z.entries + " entered");
+  return parts.join(" · ");
+}
 function card(row) {
   const el = document.createElement("div");
   el.className = "cam";
   el.dataset.camera = row.camera;
   el.innerHTML = '<div class="head"><span class="name"></span><span class="state"></span></div>' +
-    '<img alt=""><div class="stats"></div><div class="err"></div>';
+    '<img alt=""><div class="stats"></div><div class="counts"></div><div class="err"></div>';
   el.querySelector(".name").textContent = row.camera;
   const img = el.querySelector("img");
   img.alt = "camera " + row.camera;
@@ -139,6 +146,7 @@ function update(rows) {
       " · drops " + row.drops + " · latency p50 " + fmt(row.latency_ms_p50, " ms") +
       " p99 " + fmt(row.latency_ms_p99, " ms") + " · detections " + row.detections;
     el.querySelector(".err").textContent = down && row.last_error ? row.last_error : "";
+    el.querySelector(".counts").textContent = counts(row.counts);
     const img = el.querySelector("img");
     if (!down && img.dataset.was === "down") {  // back up: reconnect its view
       img.src = "cameras/" + encodeURIComponent(row.camera) + "/view?t=" + Date.now();

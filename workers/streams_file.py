@@ -5,7 +5,9 @@
     clips/parking.mp4
 
 A line is `SOURCE [key=value ...]` (sources/streams.py read_streams_lines; the third line above is cam2); the keys are id
-and CameraService.add's options (workers/cameras.py OPTION_FIELDS). A line without id= is
+and CameraService.add's options (workers/cameras.py OPTION_FIELDS), lines= and zones= parsed here
+(runtime/vision/analytics.py), plus analytics=FILE: a JSON file of lines and zones, relative to
+this file's folder, watched with it (an edit reloads the camera). A line without id= is
 camN, N its place among the camera lines; on a reload a camera whose source is unchanged keeps
 the id it had, so moving a line does not rename its camera (and its Redis stream).
 
@@ -31,7 +33,8 @@ log = logging.getLogger("tandem.cameras")
 FLOAT_OPTIONS = ("max_fps", "max_staleness_ms", "motion_threshold")
 INT_OPTIONS = ("queue",)
 TEXT_OPTIONS = ("policy", "tracker")
-KEYS = ("id", *FLOAT_OPTIONS, *INT_OPTIONS, *TEXT_OPTIONS)
+SHAPE_OPTIONS = ("lines", "zones")  # parsed here, so a bad one refuses the file naming its line
+KEYS = ("id", *FLOAT_OPTIONS, *INT_OPTIONS, *TEXT_OPTIONS, *SHAPE_OPTIONS, "analytics")
 
 
 @dataclass(slots=True)
@@ -40,9 +43,18 @@ class CameraLine:
     url: str
     options: dict  # CameraService.add's keyword options (max_fps, policy, ...), typed
     lineno: int
+    analytics_path: str | None = None  # its analytics= file, watched like the .streams file
 
     def setup(self) -> tuple:
         return self.url, sorted(self.options.items())  # not the line number: a moved line is the same camera
+
+
+def _file_stamp(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 def _typed(path: str, lineno: int, key: str, text: str) -> object:
@@ -55,7 +67,35 @@ def _typed(path: str, lineno: int, key: str, text: str) -> object:
     except ValueError:
         kind = "a number" if key in FLOAT_OPTIONS else "an integer"
         raise SourceError(f"{path} line {lineno}: {key} must be {kind}, got {text!r}") from None
+    if key in SHAPE_OPTIONS:
+        from runtime.vision.analytics import parse_lines, parse_zones
+
+        try:
+            return (parse_lines if key == "lines" else parse_zones)(text)
+        except ValueError as exc:  # names the option
+            raise SourceError(f"{path} line {lineno}: {exc}") from None
     return text
+
+
+def analytics_path(path: str, text: str) -> str:
+    """An analytics= file, relative to the `.streams` file's folder."""
+    return text if os.path.isabs(text) else os.path.join(os.path.dirname(os.path.abspath(path)), text)
+
+
+def _with_analytics(path: str, lineno: int, options: dict, file: str) -> dict:
+    """`options` with the lines and zones of an analytics= JSON file (runtime/vision/analytics.py
+    read_analytics_file) before those of lines= and zones=."""
+    from runtime.vision.analytics import parse_lines, parse_zones, read_analytics_file
+
+    try:
+        shapes = read_analytics_file(file)
+        merged = {
+            "lines": parse_lines([*shapes["lines"], *options.get("lines", ())]),
+            "zones": parse_zones([*shapes["zones"], *options.get("zones", ())]),
+        }
+    except ValueError as exc:
+        raise SourceError(f"{path} line {lineno}: {exc}") from None
+    return {**options, **{k: v for k, v in merged.items() if v}}
 
 
 def parse(path: str, previous: dict[str, str] | None = None) -> list[CameraLine]:
@@ -93,8 +133,12 @@ def parse(path: str, previous: dict[str, str] | None = None) -> list[CameraLine]
             while camera_id in taken:  # an explicit or a kept id holds this line's default
                 camera_id, n = f"cam{n}", n + 1
             taken.add(camera_id)
-        options = {k: _typed(path, e.lineno, k, v) for k, v in e.options.items() if k != "id"}
-        out.append(CameraLine(camera_id, e.source, options, e.lineno))
+        options = {k: _typed(path, e.lineno, k, v) for k, v in e.options.items() if k not in ("id", "analytics")}
+        file = None
+        if "analytics" in e.options:
+            file = analytics_path(path, e.options["analytics"])
+            options = _with_analytics(path, e.lineno, options, file)
+        out.append(CameraLine(camera_id, e.source, options, e.lineno, file))
     return out
 
 
@@ -108,21 +152,20 @@ class StreamsFile:
         self.stamp: tuple | None = None
         self._lock = threading.Lock()
 
-    def _stamp(self) -> tuple | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
+    def _stamp(self) -> tuple:
+        """The file's, and its cameras' analytics= files': an edited zone reloads its camera."""
+        files = [self.path, *sorted({c.analytics_path for c in self.cameras.values() if c.analytics_path})]
+        return tuple(_file_stamp(f) for f in files)
 
     def load(self) -> None:
         """Start the file's cameras; SourceError or CameraError (a ValueError) to the caller,
         which is a usage error at start-up."""
         with self._lock:
-            self.stamp = self._stamp()
+            self.stamp = stamp = self._stamp()
             for cam in self._parse():
                 self.service.add(cam.camera_id, cam.url, **cam.options, allow_local=True)
                 self.cameras[cam.camera_id] = cam
+            self.stamp = stamp[:1] + self._stamp()[1:]  # the analytics= files are known now
 
     def _parse(self) -> list[CameraLine]:
         cams = parse(self.path, {c.url: c.camera_id for c in self.cameras.values()})
@@ -141,7 +184,7 @@ class StreamsFile:
         "error": None or why (each line's or camera's message)}. A file that does not parse
         changes nothing."""
         with self._lock:
-            self.stamp = self._stamp()
+            self.stamp = stamp = self._stamp()
             try:
                 wanted = {c.camera_id: c for c in self._parse()}
             except SourceError as exc:
@@ -162,6 +205,8 @@ class StreamsFile:
                     errors.append(f"{self.path} line {cam.lineno}: camera {camera_id}: {exc}")
             for camera_id in self.cameras:  # a moved line: its new number, for later messages
                 self.cameras[camera_id].lineno = wanted[camera_id].lineno
+                self.cameras[camera_id].analytics_path = wanted[camera_id].analytics_path
+            self.stamp = stamp[:1] + self._stamp()[1:]
             for e in errors:
                 log.error("reload of %s: %s", self.path, e)
             log.info(
