@@ -8,6 +8,7 @@ import sys
 
 # These modules keep torch out of their top level, so building the parser stays cheap.
 from benchmarks.chaos import add_chaos_arguments
+from benchmarks.fairness import add_arguments as add_fairness
 from benchmarks.jobs import add_jobs_bench_arguments
 from benchmarks.llm import add_bench_arguments as add_llm_bench
 from benchmarks.mixed import add_bench_arguments as add_mixed_bench
@@ -34,7 +35,10 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     p = bench.add_parser("scheduler", help="schedule + update time per step, no model")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--sizes", type=int_list, default=[256, 1024])
+    p.add_argument("--policies", type=lambda v: tuple(v.split(",")), default=("fcfs", "fair"))
     p.add_argument("--out", default="bench_out")
+    p = bench.add_parser("fairness", help="each tenant's service over steps, FCFS against fair (VTC), no model")
+    add_fairness(p)
     add_vision_bench(bench.add_parser("vision", help="images/s and latency against Ultralytics"))
     add_llm_bench(bench.add_parser("llm", help="useful tokens/s, steps, KV use, TTFT: continuous vs static vs vLLM"))
     add_mixed_bench(bench.add_parser("mixed", help="chat + cameras: one Runtime vs two processes, deadlines met"))
@@ -75,8 +79,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
     if args.bench == "scheduler":
         from benchmarks.scheduler import run
 
-        run(tuple(args.sizes), args.steps, args.out)
+        run(tuple(args.sizes), args.steps, args.out, args.policies)
         return 0
+    if args.bench == "fairness":
+        from benchmarks.fairness import run as run_fairness
+
+        return run_fairness(args)
     if args.bench == "vision":
         from benchmarks.vision import run_bench
 

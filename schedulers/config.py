@@ -3,11 +3,11 @@ NVIDIA Triton's dynamic batcher (request-level batching) so users find what they
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from schedulers.speculation import SpeculativeConfig
 
-POLICIES = ("fcfs", "priority")
+POLICIES = ("fcfs", "priority", "fair")
 
 
 def _number(value: object) -> bool:
@@ -26,7 +26,18 @@ class SchedulerConfig:
     max_num_seqs: int = 16  # requests running at once
     max_num_batched_tokens: int = 512  # tokens computed per step, decodes and prefill chunks together
     max_model_len: int = 2048  # prompt + generated tokens of one request
-    policy: str = "fcfs"  # or "priority": lower Request.priority first, then arrival
+    # "fcfs"; "priority": lower Request.priority first, aged by the wait (priority_aging_s);
+    # "fair": per-tenant Virtual Token Counters within a priority level (schedulers/fair.py).
+    policy: str = "fcfs"
+    # Under "priority", a waiting request gains one level per this many seconds of wait (0: no
+    # aging, strict priorities that can starve). 10 s: ordinary queueing delays (well under a
+    # second) leave priorities strict, while under overload a request of priority p waits at
+    # most (p - p_min) * priority_aging_s plus the drain of what was queued ahead of it then
+    # (the bound: schedulers/continuous.py, WaitingQueue).
+    priority_aging_s: float = 10.0
+    # Under "fair": tenant -> weight (> 0); a tenant not named has weight 1. A tenant of weight
+    # 2 gets twice the service of one of weight 1 when both are backlogged.
+    tenant_weights: dict[str, float] = field(default_factory=dict)
     # A prompt longer than this per step is split; by default a chunk may use the whole budget.
     long_prefill_token_threshold: int = 0
     # Draftless speculative decoding (schedulers/speculation.py); None: off. A dict (vLLM's
@@ -40,6 +51,15 @@ class SchedulerConfig:
         _positive_int("max_model_len", self.max_model_len)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not _number(self.priority_aging_s) or not self.priority_aging_s >= 0:
+            raise ValueError(
+                f"priority_aging_s must be a number of seconds >= 0 (0 = no aging), got {self.priority_aging_s!r}"
+            )
+        if not isinstance(self.tenant_weights, dict):
+            raise ValueError(f"tenant_weights must be a dict of tenant -> weight > 0, got {self.tenant_weights!r}")
+        for tenant, w in self.tenant_weights.items():
+            if not isinstance(tenant, str) or not _number(w) or not w > 0:
+                raise ValueError(f"tenant_weights must map tenant names to numbers > 0, got {tenant!r}: {w!r}")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be an integer >= 0 (0 = no limit), "

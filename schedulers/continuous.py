@@ -5,8 +5,18 @@ Every step is planned afresh under one token budget:
   2. running requests still prefilling, a chunk each from what is left of the budget;
   3. waiting requests, while `max_num_seqs` and the budget allow, each with its first chunk.
 A request that finishes leaves in the step it finishes and its blocks return at once. When the
-pool runs dry, a running request is preempted by recompute (lowest priority, then latest
-arrival) and re-queued ahead of new arrivals.
+pool runs dry, a running request is preempted by recompute and re-queued ahead of new arrivals.
+
+Who goes first (WaitingQueue) and who is preempted (`_victim_key_for`):
+  - tiers: interactive requests before batch ones; batch requests take only the slots and
+    blocks interactive ones leave, and an interactive request that finds none preempts a
+    running batch request (`_make_room`); out of blocks, batch requests are the first victims;
+  - policy "fcfs": arrival order, the latest arrival preempted first;
+  - policy "priority": lower Request.priority first, aged by the wait (config.priority_aging_s,
+    the bound in WaitingQueue's docstring), the worst aged priority preempted first;
+  - policy "fair": per-tenant Virtual Token Counters within a priority level, the prefill
+    budget split between tenants, the victim from the tenant furthest over its share
+    (schedulers/fair.py).
 
 Parallel sampling (a request with `followers`, one per further choice): the leader is admitted
 only when running requests leave room for all its choices (max_num_seqs), with the blocks its
@@ -22,6 +32,7 @@ import itertools
 from collections import deque
 
 from schedulers.config import SchedulerConfig
+from schedulers.fair import FairQueue, PrefillShares, TenantCounters
 from schedulers.interface import BlockAllocator, SchedulerStats
 from schedulers.plan import StepOutputs, StepPlan, StepResult
 from schedulers.request import Request, RequestStatus
@@ -29,46 +40,118 @@ from schedulers.request_table import RequestTable
 from schedulers.speculation import NgramProposer, SpeculationStats
 
 
-class WaitingQueue:
-    """FCFS (a deque: preempted requests go to the front) or priority order (a heap keyed by
-    priority, then arrival: a preempted request is older than any newcomer of its level)."""
+class _Fifo:
+    """FCFS: a deque; preempted requests go to the front."""
 
-    def __init__(self, policy: str) -> None:
-        self.by_priority = policy == "priority"
+    def __init__(self) -> None:
         self._deque: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
+        self.push, self.push_front, self.remove = self._deque.append, self._deque.appendleft, self._deque.remove
+
+    def __len__(self) -> int:
+        return len(self._deque)
+
+    def peek(self, skip=None) -> Request:
+        return self._deque[0]
+
+    def pop_head(self, req: Request) -> None:
+        self._deque.popleft()
+
+    def __iter__(self):
+        return iter(self._deque)
+
+
+class _AgedHeap:
+    """Priority order, aged: a heap keyed by priority * aging_s + arrival_time, i.e. by the
+    effective priority `priority - wait / aging_s` (a request gains one level per aging_s
+    seconds of wait), which orders requests the same at every instant, so the key is fixed at
+    push. A preempted request keeps its arrival: it is older than any newcomer of its level.
+    aging_s = 0: strict (priority, arrival) order."""
+
+    def __init__(self, aging_s: float) -> None:
+        self.aging_s = aging_s
+        self._heap: list[tuple[float, float, int, Request]] = []
         self._seq = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._heap) if self.by_priority else len(self._deque)
+        return len(self._heap)
+
+    def key(self, req: Request) -> tuple[float, float]:
+        a = self.aging_s
+        return (req.priority * a + req.arrival_time, req.arrival_time) if a else (req.priority, req.arrival_time)
 
     def push(self, req: Request) -> None:
-        if self.by_priority:
-            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
-        else:
-            self._deque.append(req)
+        heapq.heappush(self._heap, (*self.key(req), next(self._seq), req))
 
-    def push_front(self, req: Request) -> None:
-        if self.by_priority:
-            self.push(req)
-        else:
-            self._deque.appendleft(req)
+    push_front = push
 
-    def peek(self) -> Request:
-        return self._heap[0][3] if self.by_priority else self._deque[0]
+    def peek(self, skip=None) -> Request:
+        return self._heap[0][3]
 
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.by_priority else self._deque.popleft()
+    def pop_head(self, req: Request) -> None:
+        heapq.heappop(self._heap)
 
     def remove(self, req: Request) -> None:
-        if self.by_priority:
-            self._heap = [e for e in self._heap if e[3] is not req]
-            heapq.heapify(self._heap)
-        else:
-            self._deque.remove(req)
+        self._heap = [e for e in self._heap if e[3] is not req]
+        heapq.heapify(self._heap)
 
     def __iter__(self):
-        return (e[3] for e in sorted(self._heap)) if self.by_priority else iter(self._deque)
+        return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
+
+
+class WaitingQueue:
+    """Waiting requests, interactive ones before batch ones (Request.tier), each tier in the
+    policy's order: "fcfs" (_Fifo), "priority" (_AgedHeap), "fair" (schedulers/fair.py's
+    FairQueue: the lowest-counter tenant's oldest request of the best priority level).
+
+    The aging bound (policy="priority", aging_s > 0): a request of priority p that arrives at
+    t0 has the key p * aging_s + t0; a request arriving after t0 + (p - p_min) * aging_s has a
+    larger key whatever its priority (p_min: the best priority in use). So from that moment on
+    no newcomer overtakes it, and its wait is at most (p - p_min) * aging_s plus the time to
+    serve the requests queued ahead of it by then (their number is bounded by what arrived in
+    that window). tests/test_fair_scheduler.py drives a flood of high-priority requests."""
+
+    def __init__(self, policy: str, aging_s: float = 0.0, tenants=None) -> None:
+        if policy == "fair":
+            self._tiers = (FairQueue(tenants), FairQueue(tenants))
+        elif policy == "priority":
+            self._tiers = (_AgedHeap(aging_s), _AgedHeap(aging_s))
+        else:
+            self._tiers = (_Fifo(), _Fifo())
+
+    def __len__(self) -> int:
+        return len(self._tiers[0]) + len(self._tiers[1])
+
+    def push(self, req: Request) -> None:
+        self._tiers[req.is_batch].push(req)
+
+    def push_front(self, req: Request) -> None:
+        self._tiers[req.is_batch].push_front(req)
+
+    def peek(self, skip: set[str] | None = None) -> Request | None:
+        """The next request to admit (None: only tenants in `skip` wait, under "fair")."""
+        for q in self._tiers:
+            if len(q):
+                req = q.peek(skip)
+                if req is not None:
+                    return req
+        return None
+
+    def pop(self, req: Request) -> None:
+        """Take out `req`, which peek() just returned."""
+        self._tiers[req.is_batch].pop_head(req)
+
+    def remove(self, req: Request) -> None:
+        self._tiers[req.is_batch].remove(req)
+
+    def demands(self) -> dict[str, int]:
+        """Under "fair": each waiting tenant's head request's tokens."""
+        out: dict[str, int] = {}
+        for q in self._tiers:
+            q.demands(out)
+        return out
+
+    def __iter__(self):
+        return itertools.chain(*self._tiers)
 
 
 class _Step:
@@ -77,23 +160,33 @@ class _Step:
     token budget: `_allocate`, `_preempt` (which gives a victim's tokens back),
     `_schedule_running` and `_admit_waiting` all read and change `budget` here."""
 
-    __slots__ = ("budget", "plan", "preempted", "scheduled")
+    __slots__ = ("budget", "plan", "preempted", "scheduled", "shares", "prefill_rows")
 
     def __init__(self, plan: StepPlan, budget: int) -> None:
         self.plan = plan
         self.scheduled: list[Request] = []  # plan order, for update (not sent to the runner)
         self.budget = budget  # tokens still free this step
         self.preempted = False  # a preemption happened: admit nobody this step
+        # policy="fair": the prefill budget's split between tenants, and the rows planned
+        # through the prefill paths, (request, start, tokens), for update's charge.
+        self.shares = None
+        self.prefill_rows: list[tuple[Request, int, int]] | None = None
 
 
 class ContinuousBatchScheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockAllocator) -> None:
         self.config = config
         self.table = RequestTable(pool, config.max_model_len)
-        self.waiting = WaitingQueue(config.policy)
+        # policy="fair": the tenants' counters, told of status changes by the table.
+        self.tenants = TenantCounters(config.tenant_weights) if config.policy == "fair" else None
+        self.table.tenants = self.tenants
+        self.waiting = WaitingQueue(config.policy, config.priority_aging_s, self.tenants)
+        self._victim_key = self._victim_key_for(config.policy)
         self.running: list[Request] = []
         self.num_steps = 0
         self._planned: dict[int, list[Request]] = {}  # the last plan's requests, in plan order
+        self._prefill_rows: list[tuple[Request, int, int]] = []  # the last plan's, under "fair"
+        self._all_running_planned = True
         self._step_preemptions = 0
         self._leaders: list[Request] = []  # running requests whose followers have not forked yet
         spec = config.speculative_config
@@ -171,6 +264,8 @@ class ContinuousBatchScheduler:
 
     def schedule(self, now: float = 0.0) -> StepPlan:
         step = _Step(StepPlan(freed_req_ids=self.table.take_freed()), self.config.max_num_batched_tokens)
+        if self.tenants is not None:
+            step.prefill_rows = []
         preemptions_before = self.table.num_preemptions
         if self.table.trims:
             step.plan.trimmed_block_ids, self.table.trims = self.table.trims, {}
@@ -181,6 +276,9 @@ class ContinuousBatchScheduler:
             self._fork(step)
         self.num_steps += 1
         self._planned = {id(step.plan): step.scheduled}
+        if self.tenants is not None:
+            self._prefill_rows = step.prefill_rows
+            self._all_running_planned = len(step.scheduled) == len(self.running)
         self._step_preemptions = self.table.num_preemptions - preemptions_before
         return step.plan
 
@@ -189,7 +287,13 @@ class ContinuousBatchScheduler:
         reqs = self._planned.pop(id(plan), None)
         if reqs is None:
             raise ValueError("update() takes the plan returned by this scheduler's last schedule()")
+        if self.tenants is not None:
+            self.tenants.charge_step(
+                reqs, result.sampled_token_ids, self._prefill_rows, self._all_running_planned, bool(plan.spec_token_ids)
+            )
         self.table.apply(plan, reqs, result, out)
+        if self.tenants is not None and self.tenants.owed:
+            self.tenants.settle()
         if self.table.verified:
             for rid, drafted, accepted in self.table.verified:
                 self.spec_stats.record(drafted, accepted)
@@ -288,6 +392,9 @@ class ContinuousBatchScheduler:
                 scheduled.append(rare)
                 step.budget -= n
         threshold = self.config.long_prefill_token_threshold
+        shares = None
+        if self.tenants is not None and (prefilling or len(self.waiting)):
+            shares = step.shares = self._prefill_shares(step, prefilling)
         for req in prefilling:
             if step.budget <= 0:
                 break
@@ -296,10 +403,32 @@ class ContinuousBatchScheduler:
             n = min(req.num_tokens - req.num_computed_tokens, step.budget)
             if threshold:
                 n = min(n, threshold)
+            if shares is not None:
+                n = min(n, shares.allowance(req.tenant, step.budget))
+                if n <= 0:
+                    continue
+            start = req.num_computed_tokens
             if self._allocate(step, req, n):
                 self.table.add_to_plan(plan, req, n)
                 scheduled.append(req)
                 step.budget -= n
+                if step.prefill_rows is not None:  # policy "fair"
+                    step.prefill_rows.append((req, start, n))
+                    if shares is not None:
+                        shares.take(req.tenant, n)
+
+    def _prefill_shares(self, step: _Step, prefilling: list[Request]) -> PrefillShares | None:
+        """Policy "fair": split what the decodes left of the budget between the tenants that
+        want prefill (running prefills, and each waiting tenant's next request), and order the
+        running prefills by counter, lowest first; None when the budget covers every demand."""
+        demands = self.waiting.demands()
+        for req in prefilling:
+            demands[req.tenant] = demands.get(req.tenant, 0) + req.num_tokens - req.num_computed_tokens
+        if sum(demands.values()) <= step.budget:
+            return None  # everyone gets all it asks for: nothing to split
+        value = self.tenants.value
+        prefilling.sort(key=lambda r: value(r.tenant))
+        return self.tenants.shares(demands, step.budget)
 
     def _allocate(self, step: _Step, req: Request, num_new: int) -> bool:
         """Blocks for `num_new` more tokens of `req`, preempting others if the pool is dry;
@@ -315,10 +444,31 @@ class ContinuousBatchScheduler:
             step.plan.new_block_ids[req.request_id] = new
         return True
 
+    def _victim_key_for(self, policy: str):
+        """Preemption victims: batch before interactive; then, by policy, the latest arrival
+        (fcfs), the worst aged priority (priority: the request the queue would admit last), or
+        the tenant furthest over its share, its latest arrival (fair)."""
+        if policy == "priority":
+            aged = _AgedHeap(self.config.priority_aging_s).key
+            return lambda r: (r.is_batch, aged(r))
+        if policy == "fair":
+            counters = self.tenants.counters
+            return lambda r: (r.is_batch, counters.get(r.tenant, 0.0), r.arrival_time)
+        return lambda r: (r.is_batch, r.arrival_time)
+
     def _pick_victim(self) -> Request:
-        if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return max(self.running, key=lambda r: r.arrival_time)
+        return max(self.running, key=self._victim_key)
+
+    def _make_room(self, step: _Step, req: Request) -> bool:
+        """An interactive request that cannot be admitted (no slot, or no blocks) preempts a
+        running batch request; False if there is none."""
+        if req.is_batch or not self.table.num_batch:
+            return False
+        batch = [r for r in self.running if r.is_batch]
+        if not batch:
+            return False
+        self._preempt(step, max(batch, key=self._victim_key))
+        return True
 
     def _preempt(self, step: _Step, victim: Request) -> None:
         self.running.remove(victim)
@@ -338,6 +488,8 @@ class ContinuousBatchScheduler:
             plan.new_block_ids.pop(rid, None)
             plan.spec_token_ids.pop(rid, None)
             plan.new_requests = [r for r in plan.new_requests if r.request_id != rid]
+            if step.prefill_rows:
+                step.prefill_rows[:] = [row for row in step.prefill_rows if row[0] is not victim]
         if victim in self._leaders:
             self._leaders.remove(victim)
         self.table.preempt(victim)
@@ -351,15 +503,33 @@ class ContinuousBatchScheduler:
         threshold = self.config.long_prefill_token_threshold
         # Slots held for the followers of leaders still prefilling: they join at their fork.
         held = sum(len(r.followers) for r in self._leaders) if self._leaders else 0
-        while len(waiting) and len(running) + held < max_seqs and step.budget > 0:
-            req = waiting.peek()
+        shares, skip = step.shares, None
+        while len(waiting) and step.budget > 0:
+            req = waiting.peek(skip)
+            if req is None:
+                break  # under "fair", every waiting tenant has used its share of the budget
             if len(running) + held + 1 + len(req.followers) > max_seqs:
+                if self._make_room(step, req):
+                    continue
                 break  # not room for all its choices yet
-            n = table.admit(req, min(step.budget, threshold) if threshold else step.budget)
+            cap = min(step.budget, threshold) if threshold else step.budget
+            if shares is not None:
+                cap = min(cap, shares.allowance(req.tenant, step.budget))
+                if cap <= 0:
+                    skip = (skip or set()) | {req.tenant}
+                    continue
+            n = table.admit(req, cap)
             if n == 0:
+                if self._make_room(step, req):
+                    continue
                 break  # not enough free blocks: wait for running requests to finish
-            waiting.pop()
+            waiting.pop(req)
             running.append(req)
+            if step.prefill_rows is not None:  # policy "fair"
+                step.prefill_rows.append((req, req.num_computed_tokens, n))
+                self.tenants.plan_prompt(req.tenant, n)
+                if shares is not None:
+                    shares.take(req.tenant, n)
             table.add_to_plan(plan, req, n)
             scheduled.append(req)
             step.budget -= n

@@ -26,6 +26,10 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.PREEMPTED
 
 
+# Interactive requests are served first; batch requests fill the slots interactive traffic
+# leaves, and are the first preempted when interactive requests wait (schedulers/continuous.py).
+TIERS = ("interactive", "batch")
+
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -86,6 +90,9 @@ class Request:
     # Speculative decoding may draft for it (schedulers/speculation.py): the engine says so for
     # requests whose sampling the verification keeps exact (runtime/llm/input_processor.py).
     spec_ok: bool = False
+    # Who the request is for, in fair shares (policy="fair", schedulers/fair.py); "" = anonymous.
+    tenant: str = ""
+    tier: str = "interactive"  # or "batch" (TIERS)
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)
@@ -99,6 +106,9 @@ class Request:
     next_publish_at: int = 0  # num_computed_tokens at which the next block fills (set on admission)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    # Prompt positions charged to the tenant (policy="fair"): each is charged once, when first
+    # computed, so neither prefix-cache hits nor a recompute after preemption are charged.
+    num_charged_prompt_tokens: int = 0
     # Set when the runner must be sent the whole request (first schedule, or after preemption).
     needs_full_state: bool = True
     # Stop criteria as plain totals of len(token_ids), so the per-step check is two compares.
@@ -109,11 +119,19 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must hold at least one token id, got an empty list")
+        if not isinstance(self.tenant, str):
+            raise ValueError(f"tenant must be a string ('' = anonymous), got {self.tenant!r}")
+        if self.tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.min_len = self.num_prompt_tokens + self.stop.min_tokens
         self.max_len = self.num_prompt_tokens + self.stop.max_tokens
         self.stop_token_ids = self.stop.stop_token_ids
+
+    @property
+    def is_batch(self) -> bool:
+        return self.tier == "batch"
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,10 @@ class RequestTable:
         # the next plan; and (request id, drafted, accepted) of this step's verifications.
         self.trims: dict[str, int] = {}
         self.verified: list[tuple[str, int, int]] = []
+        # Unfinished requests of the batch tier (the scheduler looks for batch victims only then).
+        self.num_batch = 0
+        # policy="fair": told of every request's arrival, start, stop and leaving (schedulers/fair.py).
+        self.tenants = None
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -84,6 +88,8 @@ class RequestTable:
         req.num_published_blocks = len(cached)
         req.next_publish_at = (len(cached) + 1) * bs
         req.status = RequestStatus.RUNNING
+        if self.tenants is not None:
+            self.tenants.started(req.tenant)
         return num_new
 
     def grow(self, req: Request, num_new: int) -> list[int] | None:
@@ -119,6 +125,9 @@ class RequestTable:
             f.leader = None
             f.status = RequestStatus.RUNNING
             f.needs_full_state = True
+            f.num_charged_prompt_tokens = f.num_prompt_tokens  # the leader's prompt, paid once
+            if self.tenants is not None:
+                self.tenants.started(f.tenant)
         return [(f, source) for f in followers]
 
     def detach_follower(self, req: Request) -> Request:
@@ -151,9 +160,15 @@ class RequestTable:
         for r in (req, *req.followers):
             r.leader = req if r is not req else None
             self.requests[r.request_id] = r
+            if r.is_batch:
+                self.num_batch += 1
+            if self.tenants is not None:
+                self.tenants.arrive(r.tenant)
 
     def preempt(self, req: Request) -> None:
         """Preemption by recompute: drop the KV cache, keep the tokens, start over later."""
+        if self.tenants is not None and req.status is RequestStatus.RUNNING:
+            self.tenants.stopped(req.tenant)
         self.pool.free(req.block_ids)
         req.block_ids = []
         self._free_tails(req)
@@ -173,8 +188,14 @@ class RequestTable:
         self._free_tails(req)
         if not req.needs_full_state:  # the runner has state for it
             self._freed.append(req.request_id)
+        if self.requests.pop(req.request_id, None) is not None:
+            if req.is_batch:
+                self.num_batch -= 1
+            if self.tenants is not None:
+                if req.status is RequestStatus.RUNNING:
+                    self.tenants.stopped(req.tenant)
+                self.tenants.leave(req.tenant)
         req.status = status
-        self.requests.pop(req.request_id, None)
         self.trims.pop(req.request_id, None)
 
     def _free_tails(self, req: Request) -> None:

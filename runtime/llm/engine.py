@@ -48,6 +48,7 @@ from runtime.llm.structured import GrammarCompiler
 from runtime.memory import DeviceMemoryManager, MemoryConfig
 from runtime.threads import settle_native_pools
 from schedulers import ContinuousBatchScheduler, DynamicBatchConfig, SchedulerConfig, StaticBatchScheduler
+from schedulers.config import POLICIES
 from schedulers.speculation import SpeculativeConfig
 
 SCHEDULERS = ("continuous", "static")
@@ -68,7 +69,8 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # None: the rest of the device budget
     num_kv_blocks: int | None = None  # exact pool size (tests); overrides kv_cache_bytes
     scheduler: str = "continuous"  # or "static": request-level batching, the baseline
-    policy: str = "fcfs"
+    policy: str = "fcfs"  # POLICIES: "fcfs", "priority" (aged) or "fair" (per-tenant VTC)
+    tenant_weights: dict | None = None  # policy="fair": tenant -> weight > 0; None: every tenant 1
     enable_prefix_caching: bool = True
     static_max_queue_delay_ms: float = 0.0
     cache_dir: str | None = None  # converted GGUF models, and the captured step's inductor cache
@@ -94,6 +96,10 @@ class EngineConfig:
             raise ValueError("speculative_config needs scheduler='continuous' (drafts ride in its steps)")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy == "fair" and self.scheduler != "continuous":
+            raise ValueError("policy='fair' needs scheduler='continuous' (the static batcher groups requests by queue)")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -157,6 +163,7 @@ class LLMEngine:
             max_num_batched_tokens=budget,
             max_model_len=self.max_model_len,
             policy=c.policy,
+            tenant_weights=dict(c.tenant_weights or {}),
             speculative_config=c.speculative_config,
         )
         self.memory = memory or DeviceMemoryManager(MemoryConfig(device=device))
@@ -240,10 +247,15 @@ class LLMEngine:
         priority: int = 0,
         deadline_s: float | None = None,
         num_resumed_outputs: int = 0,
+        *,
+        tenant: str = "",
+        tier: str = "interactive",
     ) -> PreparedRequest:
         """Check and tokenize a request; safe on any thread. ValueError names the field (see
-        InputProcessor.prepare for `deadline_s` and `num_resumed_outputs`)."""
-        return self.inputs.prepare(prompt, params, request_id, priority, deadline_s, num_resumed_outputs)
+        InputProcessor.prepare for `deadline_s`, `num_resumed_outputs`, `tenant` and `tier`)."""
+        return self.inputs.prepare(
+            prompt, params, request_id, priority, deadline_s, num_resumed_outputs, tenant=tenant, tier=tier
+        )
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The engine's grammar compiler (made on first use; safe on any thread)."""
@@ -309,10 +321,15 @@ class LLMEngine:
         sink: Sink | None = None,
         deadline_s: float | None = None,
         num_resumed_outputs: int = 0,
+        *,
+        tenant: str = "",
+        tier: str = "interactive",
     ) -> str:
         """Queue a request; raises ValueError (naming the field) if it can never run. Nothing
         else in flight is touched by a rejected request."""
-        prepared = self.prepare(prompt, params, request_id, priority, deadline_s, num_resumed_outputs)
+        prepared = self.prepare(
+            prompt, params, request_id, priority, deadline_s, num_resumed_outputs, tenant=tenant, tier=tier
+        )
         return self.add_prepared(prepared, sink)
 
     def abort(self, request_id: str, error: str | None = None, error_code: str | None = None) -> bool:

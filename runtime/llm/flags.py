@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from schedulers.config import POLICIES
+
 # Flag name -> EngineConfig field; the flags' dest names are the fields' names.
 ENGINE_FIELDS = (
     "model",
@@ -18,6 +20,7 @@ ENGINE_FIELDS = (
     "quantization",
     "enforce_eager",
     "speculative_config",
+    "policy",
 )
 
 
@@ -79,6 +82,15 @@ def add_engine_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
         help='draftless speculative decoding, vLLM\'s dict: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off). Helps one or a few users on text '
         "that repeats its input (summaries, extraction, edits); exact for greedy requests; README",
+    )
+
+    p.add_argument(
+        "--policy",
+        default=None,
+        choices=list(POLICIES),
+        help="who runs first: fcfs (the default), priority (lower first, aged one level per 10 s of wait so "
+        "nothing waits forever) or fair (per-tenant Virtual Token Counters: a tenant that floods the queue "
+        "gets its share, not every slot)",
     )
 
 

@@ -38,6 +38,7 @@ from runtime.llm.detokenizer import PromptBound
 from runtime.llm.sampling_params import SamplingParams
 from runtime.llm.structured import GrammarCompiler, GrammarMatcher
 from schedulers import Request, StopCriteria
+from schedulers.request import TIERS
 
 
 @dataclass(slots=True)
@@ -59,6 +60,8 @@ class PreparedRequest:
     # n > 1 (or best_of) with structured outputs: the matchers of choices 1, 2, ... (choice 0's
     # is `grammar`), one per choice, as each advances on its own tokens.
     choice_grammars: list[GrammarMatcher] | None = None
+    tenant: str = ""  # fair shares (policy="fair"); "" = anonymous
+    tier: str = "interactive"  # or "batch": fills the slots interactive traffic leaves
 
     @property
     def resumed_token_ids(self) -> list[int]:
@@ -130,8 +133,13 @@ class InputProcessor:
         priority: int = 0,
         deadline_s: float | None = None,
         num_resumed_outputs: int = 0,
+        *,
+        tenant: str = "",
+        tier: str = "interactive",
     ) -> PreparedRequest:
-        """Check and tokenize a request. ValueError names the field. `deadline_s` (seconds from
+        """Check and tokenize a request. ValueError names the field. `tenant` ("" anonymous) and
+        `tier` ("interactive" or "batch") are the scheduler's (schedulers/fair.py, and
+        schedulers/continuous.py's tiers). `deadline_s` (seconds from
         now): if the request is still queued then, it is rejected. `num_resumed_outputs`: how
         many of the prompt's last tokens are this request's earlier outputs (see the module
         docstring); `params` are then the original request's."""
@@ -144,6 +152,10 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string ('' = anonymous), got {tenant!r}")
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ValueError(f"request_id must be a non-empty string or None, got {request_id!r}")
         text, ids = self.tokenize(prompt)
@@ -201,7 +213,7 @@ class InputProcessor:
         now = time.monotonic()
         deadline = None if deadline_s is None else now + deadline_s
         return PreparedRequest(
-            rid, text, ids, params, priority, now, deadline, max_tokens, grammar, n, done, choice_grammars
+            rid, text, ids, params, priority, now, deadline, max_tokens, grammar, n, done, choice_grammars, tenant, tier
         )
 
     def to_request(self, p: PreparedRequest) -> Request:
@@ -219,6 +231,8 @@ class InputProcessor:
             priority=p.priority,
             arrival_time=p.arrival_time,
             sampling=params,
+            tenant=p.tenant,
+            tier=p.tier,
             # Prompt logprobs need every prompt position's logits, so such a request computes its
             # whole prompt, as vLLM does (its blocks still enter the cache for others).
             skip_prefix_cache=params.prompt_logprobs is not None,
