@@ -85,9 +85,10 @@ MUX_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 def _camera_families(payloads: list[dict]) -> Iterator[Any]:
     """Per camera: {"camera", "url", "up" (0/1), "fps", "frames", "drops", "detections",
     "reconnects", "state", "drops_by_reason", "carried_over", "latency_ms_p50",
-    "latency_ms_p99", "batch_size_mean", "counts" (of its lines and zones)} as a camera service
-    lists them under "cameras"; per service, its muxer under "batching" ({"window_ms",
-    "batch_sizes": {size: groups}, "closed": {"complete"|"timeout": groups}})."""
+    "latency_ms_p99", "batch_size_mean", "counts" (of its lines and zones), "clips" (its clip
+    ring)} as a camera service lists them under "cameras"; per service, its muxer under
+    "batching" ({"window_ms", "batch_sizes": {size: groups}, "closed": {"complete"|"timeout":
+    groups}})."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     labels = ["tandem_instance", "camera"]
@@ -142,8 +143,15 @@ def _camera_families(payloads: list[dict]) -> Iterator[Any]:
             PREFIX + "camera_zone_exits", "Tracks that left a zone.", labels=[*labels, "zone"]
         ),
     }
+    clip_buffer = GaugeMetricFamily(
+        PREFIX + "camera_clip_buffer_bytes",
+        "JPEGs the camera's clip ring holds now, for event clips' pre-roll (workers/camera_clips.py).",
+        labels=labels,
+    )
     for instance, cam in cams:
         lv = [instance, str(cam.get("camera", ""))]
+        if cam.get("clips"):
+            clip_buffer.add_metric(lv, float(cam["clips"].get("buffer_bytes", 0)))
         counts = cam.get("counts") or {}
         for line, by_direction in sorted((counts.get("lines") or {}).items()):
             for direction, n in sorted(by_direction.items()):
@@ -172,6 +180,7 @@ def _camera_families(payloads: list[dict]) -> Iterator[Any]:
     yield crossings
     yield occupancy
     yield from zone_moves.values()
+    yield clip_buffer
     yield from _mux_families(payloads)
 
 

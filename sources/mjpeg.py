@@ -41,8 +41,22 @@ def iter_mjpeg(
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     address: str | None = None,
 ) -> Iterator[np.ndarray]:
-    """Decoded BGR frames from an MJPEG HTTP stream until it ends; raises on any failure, and
-    ImageTooLarge (a ValueError naming the limit) for a part whose header is over `max_pixels`.
+    """Decoded BGR frames from an MJPEG HTTP stream until it ends (iter_mjpeg_parts, images only)."""
+    for image, _ in iter_mjpeg_parts(url, open_timeout_s, read_timeout_s, max_pixels, address):
+        yield image
+
+
+def iter_mjpeg_parts(
+    url: str,
+    open_timeout_s: float,
+    read_timeout_s: float,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    address: str | None = None,
+) -> Iterator[tuple[np.ndarray, bytes]]:
+    """(decoded BGR frame, its JPEG as sent) from an MJPEG HTTP stream until it ends: the bytes
+    go to event clips (workers/camera_clips.py), which would otherwise encode the frame again.
+    Raises on any failure, and ImageTooLarge (a ValueError naming the limit) for a part whose
+    header is over `max_pixels`.
 
     Raises NotMjpeg when the resource is not multipart (e.g. an HLS playlist or an MP4 file
     served over HTTP) so the caller can hand the URL to FFmpeg instead. `address`: the IP to
@@ -86,6 +100,6 @@ def iter_mjpeg(
             data = resp.read(length)
             if len(data) < length:
                 return  # truncated by a closing server
-            yield decode_image(data, f"MJPEG part ({length} bytes)", max_pixels)  # ValueError: undecodable
+            yield decode_image(data, f"MJPEG part ({length} bytes)", max_pixels), data  # ValueError: undecodable
     finally:
         conn.close()

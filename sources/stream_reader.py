@@ -19,7 +19,7 @@ import numpy as np
 
 from sources.base import DEFAULT_MAX_IMAGE_PIXELS, Frame, check_max_pixels
 from sources.media import ImageTooLarge, capture_size_error, check_pixels
-from sources.mjpeg import NotMjpeg, iter_mjpeg
+from sources.mjpeg import NotMjpeg, iter_mjpeg_parts
 
 TERMINAL = ("ended", "failed", "closed")
 
@@ -106,12 +106,16 @@ class StreamReader:
         on_error: Callable[[Frame], None],
         dial: Callable[[str], Dialled] | None = None,
         name: str | None = None,
+        tap: Callable[[Frame, bytes | None], None] | None = None,
     ) -> None:
         self.stream, self.url, self.config = stream, url, config
         self.name = name or f"stream {stream}"
         # `dial` (a URL a remote caller gave): called at every (re)connect, it checks the URL
         # again (raising ValueError when refused) and answers what to connect to (Dialled).
         self.dial = dial
+        # `tap(frame, jpeg)`: every frame read, on this thread, with its JPEG as the camera sent
+        # it (MJPEG) or None (decoded by FFmpeg): the camera's clip ring (workers/camera_clips.py).
+        self.tap = tap
         self._cond = cond
         self._on_error = on_error
         self._frames: deque[Frame] = deque(maxlen=max(1, config.buffer))
@@ -197,8 +201,10 @@ class StreamReader:
                 self.state = state
             self._cond.notify_all()
 
-    def _push(self, image: np.ndarray, index: int) -> None:
+    def _push(self, image: np.ndarray, index: int, encoded: bytes | None = None) -> None:
         frame = Frame(self.url, index=index, image=image, stream=self.stream)
+        if self.tap is not None and not self._stop.is_set():
+            self.tap(frame, encoded)
         with self._cond:
             if self._stop.is_set():
                 return
@@ -224,10 +230,10 @@ class StreamReader:
             self._set_state("connecting")
             frames = self._open()
             try:
-                for index, image in enumerate(frames):
+                for index, (image, encoded) in enumerate(frames):
                     if self._stop.is_set():
                         return
-                    self._push(image, index)
+                    self._push(image, index, encoded)
                     failures = 0  # a frame arrived: the next failure starts the backoff afresh
                 if is_file:
                     self._set_state("ended")
@@ -251,7 +257,8 @@ class StreamReader:
             finally:
                 frames.close()
 
-    def _open(self) -> Iterator[np.ndarray]:
+    def _open(self) -> Iterator[tuple[np.ndarray, bytes | None]]:
+        """(frame, its JPEG as sent, or None where FFmpeg decoded it) until the stream ends."""
         url = self.url
         if self.dial is not None:
             return self._dialled(url)
@@ -259,7 +266,7 @@ class StreamReader:
             return self._http(url)
         return self._capture(int(url) if url.isdigit() else url, pace="://" not in url and not url.isdigit())
 
-    def _dialled(self, url: str) -> Iterator[np.ndarray]:
+    def _dialled(self, url: str) -> Iterator[tuple[np.ndarray, bytes | None]]:
         checked = self.dial(url)  # in the generator: a refusal is a failure like any other
         if checked.url.startswith(("http://", "https://")):  # the guard lower-cases the scheme
             # The checked URL, not the caller's text: nginx serves GET /cams//../admin as /admin,
@@ -268,10 +275,10 @@ class StreamReader:
         else:
             yield from self._capture(checked.pinned, pace=False)
 
-    def _http(self, url: str, address: str | None = None) -> Iterator[np.ndarray]:
+    def _http(self, url: str, address: str | None = None) -> Iterator[tuple[np.ndarray, bytes | None]]:
         c = self.config
         try:
-            yield from iter_mjpeg(url, c.open_timeout_s, c.read_timeout_s, c.max_image_pixels, address=address)
+            yield from iter_mjpeg_parts(url, c.open_timeout_s, c.read_timeout_s, c.max_image_pixels, address=address)
         except NotMjpeg as exc:
             if address is not None:
                 # FFmpeg follows HTTP redirects and HLS playlists by itself, to hosts nobody
@@ -282,7 +289,7 @@ class StreamReader:
                 ) from None
             yield from self._capture(url, pace=False)  # e.g. HLS or MP4 over HTTP: FFmpeg reads it
 
-    def _capture(self, target: int | str, pace: bool) -> Iterator[np.ndarray]:
+    def _capture(self, target: int | str, pace: bool) -> Iterator[tuple[np.ndarray, None]]:
         c = self.config
         live = isinstance(target, str) and "://" in target
         opening = time.monotonic()
@@ -324,7 +331,7 @@ class StreamReader:
                         raise TimeoutError(f"no frame within {c.read_timeout_s:g} s: the read timed out (stalled)")
                     return
                 check_pixels(image.shape[1], image.shape[0], self.name, c.max_image_pixels)
-                yield image
+                yield image, None
                 if period:
                     next_t += period
                     self._stop.wait(max(0.0, next_t - time.monotonic()))

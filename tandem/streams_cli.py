@@ -98,6 +98,28 @@ def add_streams_arguments(p: argparse.ArgumentParser) -> None:
         "(default: $TANDEM_ALLOWED_URL_NETWORKS)",
     )
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: at a signal)")
+    c = p.add_argument_group("event clips (workers/camera_clips.py)")
+    c.add_argument(
+        "--clips-dir",
+        default=None,
+        help="record an MP4 around each line crossing and zone entry of the cameras with lines or zones, "
+        "from the camera's clip_pre_s (5) before to clip_post_s (5) after, here (default: no clips)",
+    )
+    c.add_argument(
+        "--clips-max-bytes",
+        type=_size,
+        default="10G",
+        help="all clips together, e.g. 500M or 10G: the oldest are pruned past it (0: no bound)",
+    )
+    c.add_argument(
+        "--clips-max-age-s", type=float, default=7 * 86400.0, help="clips older than this are pruned (0: kept)"
+    )
+    c.add_argument(
+        "--clips-buffer-bytes",
+        type=_size,
+        default="32M",
+        help="memory per camera for its last seconds of JPEGs, e.g. 32M (its time bound: clip_pre_s + 2 s)",
+    )
     g = p.add_argument_group("vision")
     g.add_argument(
         "--vision-model",
@@ -117,6 +139,20 @@ def add_streams_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-profile", action="store_true", help="skip the start-up batch-size profiling")
     add_max_image_pixels_argument(g)
     add_backend_argument(g)
+
+
+def _size(text: str) -> int:
+    """Bytes from 123, 64K, 32M or 10G (powers of 1024)."""
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    text = text.strip().lower().removesuffix("b").removesuffix("i")
+    scale = units.get(text[-1:], 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size in bytes like 500M or 10G, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {text!r}")
+    return int(value * scale)
 
 
 def _source_urls(source: str) -> list[str]:
@@ -179,9 +215,18 @@ def security(args: argparse.Namespace, env=None) -> Security:
 def service_config(args: argparse.Namespace):
     """The camera service's CameraServiceConfig from the flags; ValueError naming the flag."""
     from workers.camera_checks import CameraServiceConfig
+    from workers.camera_clips import ClipConfig
 
     policy = url_policy(args)  # its errors name their flags already
     try:
+        clips = None
+        if args.clips_dir is not None:
+            clips = ClipConfig(
+                args.clips_dir,
+                max_bytes=args.clips_max_bytes or None,
+                max_age_s=args.clips_max_age_s or None,
+                buffer_bytes=args.clips_buffer_bytes,
+            )
         return CameraServiceConfig(
             maxlen=args.maxlen,
             max_fps=args.max_fps,
@@ -189,6 +234,7 @@ def service_config(args: argparse.Namespace):
             max_cameras=args.max_cameras,
             url_policy=policy,
             batch_timeout_ms=args.batch_timeout_ms,
+            clips=clips,
         )
     except ValueError as exc:  # "max_fps must be ...": each message starts with its field
         field, _, rest = str(exc).partition(" ")
@@ -216,6 +262,11 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict, str | None]:
         raise ValueError(f"--view-fps must be in (0, 60], got {args.view_fps}")
     if not args.reload_interval >= 0:
         raise ValueError(f"--reload-interval must be >= 0 seconds, got {args.reload_interval}")
+    if args.clips_dir is not None:
+        try:
+            os.makedirs(args.clips_dir, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--clips-dir: cannot create {args.clips_dir}: {exc}") from None
     redis_url = None
     if not args.no_redis:
         redis_url = JobSettings.from_env(**({"redis_url": args.redis_url} if args.redis_url else {})).redis_url

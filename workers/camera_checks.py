@@ -13,12 +13,15 @@ from dataclasses import dataclass, replace
 
 from sources.base import is_stream_url
 from sources.stream_reader import Dialled, StreamConfig
+from workers.camera_clips import ClipConfig
 from workers.urlguard import CAMERA_SCHEMES, UrlPolicy, check_url
 
 CAMERA_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 INSTANCE = re.compile(r"[A-Za-z0-9._:@-]{1,200}")
 MAX_URL = 2048
 POLICIES = ("freshest", "every_frame")
+MAX_CLIP_PRE_S, MAX_CLIP_POST_S = 60.0, 300.0
+_SWITCH = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False, "no": False}
 
 
 class CameraError(ValueError):
@@ -85,6 +88,11 @@ class CameraOptions:
     tracker: str | None = None  # None, "bytetrack" or "botsort"
     lines: tuple = ()  # LineSpecs (runtime/vision/analytics.py); check() parses text or lists
     zones: tuple = ()  # ZoneSpecs, likewise
+    # Event clips (workers/camera_clips.py): None: on where the service has a clips dir and the
+    # camera has lines or zones; "off"/False keeps this camera out; "on"/True insists.
+    clips: bool | str | None = None
+    clip_pre_s: float = 5.0  # seconds before the event (Frigate's pre_capture)
+    clip_post_s: float = 5.0  # seconds after the last event of the clip (post_capture)
 
     def check(self) -> CameraOptions:
         if self.policy not in POLICIES:
@@ -111,7 +119,19 @@ class CameraOptions:
             if self.tracker not in TRACKERS:
                 message = f"tracker must be one of {', '.join(TRACKERS)} (unset: none), got {self.tracker!r}"
                 raise CameraError("tracker", message)
-        return self._check_analytics()
+        return self._check_clips()._check_analytics()
+
+    def _check_clips(self) -> CameraOptions:
+        clips = self.clips
+        if isinstance(clips, str):
+            clips = _SWITCH.get(clips.strip().lower(), clips)
+        if clips is not None and not isinstance(clips, bool):
+            raise CameraError("clips", f"clips must be on or off (unset: on with --clips-dir), got {self.clips!r}")
+        for name, most in (("clip_pre_s", MAX_CLIP_PRE_S), ("clip_post_s", MAX_CLIP_POST_S)):
+            value = getattr(self, name)
+            if not is_number(value) or not 0 <= value <= most:
+                raise CameraError(name, f"{name} must be a number in [0, {most:g}] seconds, got {value!r}")
+        return replace(self, clips=clips, clip_pre_s=float(self.clip_pre_s), clip_post_s=float(self.clip_post_s))
 
     def _check_analytics(self) -> CameraOptions:
         """lines= and zones= parsed (text, a list of objects, or specs already), each needing the
@@ -131,7 +151,19 @@ class CameraOptions:
         return replace(self, **parsed)
 
 
-OPTION_FIELDS = ("max_fps", "policy", "queue", "max_staleness_ms", "motion_threshold", "tracker", "lines", "zones")
+OPTION_FIELDS = (
+    "max_fps",
+    "policy",
+    "queue",
+    "max_staleness_ms",
+    "motion_threshold",
+    "tracker",
+    "lines",
+    "zones",
+    "clips",
+    "clip_pre_s",
+    "clip_post_s",
+)
 
 
 @dataclass(slots=True)
@@ -150,7 +182,8 @@ class CameraServiceConfig:
     the Redis control list. `url_policy` (or `allowed_url_prefixes`, not both): the guard of
     remotely added cameras (workers/urlguard.py; default: any public host). `batch_timeout_ms`:
     how long the muxer holds a group for the live cameras still to come (None: derived from
-    their rates, see workers/cameras_mux.py; 0: no holding)."""
+    their rates, see workers/cameras_mux.py; 0: no holding). `clips`: where event clips go and
+    their bounds (workers/camera_clips.py; None: no clips)."""
 
     maxlen: int = 1000
     max_fps: float | None = None
@@ -163,6 +196,7 @@ class CameraServiceConfig:
     allowed_url_prefixes: tuple[str, ...] = ()
     url_policy: UrlPolicy | None = None
     batch_timeout_ms: float | None = None
+    clips: ClipConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("maxlen", "max_in_flight", "max_cameras"):

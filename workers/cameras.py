@@ -38,7 +38,8 @@ together; `carried_over` marks a frame the motion gate kept from the detector (i
 the last detected frame's). A camera with lines or zones (runtime/vision/analytics.py) adds
 "events": [{"type": "line_cross", "line", "direction", "track_id", "cls", "at", "point"},
 {"type": "zone_enter", "zone", ...}, {"type": "zone_exit", ..., "dwell_s", "lost"}], and its
-row the running "counts".
+row the running "counts" and "last_events". With clips (config.clips, workers/camera_clips.py)
+a crossing or an entry also has "clip": the MP4 from clip_pre_s before it to clip_post_s after.
 
 `frame` is the decoder's frame number since the camera's last (re)connect, `seq` counts the
 frames this service sent to the detector for the camera, the times are Unix seconds. A
@@ -78,6 +79,7 @@ from workers.camera_checks import (  # noqa: F401 - re-exported: workers.cameras
     json_object,
     redact,
 )
+from workers.camera_clips import ClipWriter
 from workers.cameras_control import CONTROL_KEY, Control  # noqa: F401 - CONTROL_KEY: re-exported
 from workers.cameras_mux import Muxer
 from workers.cameras_publish import STREAM_KEY, Publisher  # noqa: F401 - STREAM_KEY: re-exported
@@ -127,7 +129,10 @@ class CameraService:
         )
         self.muxer = Muxer(runtime, self.publisher.queue, config.max_in_flight, config.batch_timeout_s)
         self.control = Control(self, redis_client, self.instance)
+        self.clips = None if config.clips is None else ClipWriter(config.clips)
         loops = [("dispatch", self.muxer.run), ("publish", self.publisher.run)]
+        if self.clips is not None:
+            loops.append(("clips", self.clips.run))
         if config.control and redis_client is not None:
             loops.append(("control", self.control.run))
         self._threads = [
@@ -159,6 +164,9 @@ class CameraService:
         tracker: str | None = None,
         lines=None,
         zones=None,
+        clips: bool | str | None = None,
+        clip_pre_s: float = 5.0,
+        clip_post_s: float = 5.0,
     ) -> dict:
         """Start reading a camera; its row. Only network stream URLs unless `allow_local` (a
         `.streams` file's local videos and webcams). CameraError names the bad field.
@@ -169,10 +177,28 @@ class CameraService:
         `motion_threshold` (a fraction in (0, 1]) gates the detector on motion; `tracker`
         ("bytetrack", "botsort") adds track ids to the records. `lines` and `zones` (text or
         lists, runtime/vision/analytics.py; they need a tracker) add crossing and zone events
-        to the records and their counts to the row."""
+        to the records and their counts to the row. With the service's clips, such a camera
+        records a clip around its events (`clips` "off": not this one), from `clip_pre_s`
+        before to `clip_post_s` after (workers/camera_clips.py)."""
         check_camera_id(camera_id)
-        options = CameraOptions(policy, queue, max_staleness_ms, motion_threshold, tracker, lines or (), zones or ())
+        options = CameraOptions(
+            policy,
+            queue,
+            max_staleness_ms,
+            motion_threshold,
+            tracker,
+            lines or (),
+            zones or (),
+            clips,
+            clip_pre_s,
+            clip_post_s,
+        )
         options = options.check()
+        want_clips = options.clips is not False and bool(options.lines or options.zones)
+        if options.clips and not want_clips:
+            raise CameraError("clips", "clips are cut around line and zone events: add lines= or zones=")
+        if options.clips and self.clips is None:
+            raise CameraError("clips", "clips need a directory: start tandem streams with --clips-dir")
         if allow_local:
             if not isinstance(url, str) or not url.strip():
                 raise CameraError("url", f"url must be a non-empty string, got {url!r}")
@@ -210,12 +236,15 @@ class CameraService:
                 from runtime.vision.analytics import CameraAnalytics
 
                 cam.analytics = CameraAnalytics(options.lines, options.zones)
+            if want_clips and self.clips is not None:
+                cam.clips = self.clips.camera(camera_id, options.clip_pre_s, options.clip_post_s)
             down = partial(mux.camera_down, cam)
             dial = None if allow_local else partial(dial_camera, self.url_policy)  # a .streams file is the operator's
             buffer = options.queue if options.policy == "every_frame" else 0
             config = dataclasses.replace(self.stream_config, buffer=buffer)
             name = f"camera {camera_id}"
-            cam.reader = StreamReader(self._num_streams, url, config, mux.cond, down, dial, name=name)
+            tap = None if cam.clips is None else cam.clips.ring.add  # every frame read, as sent
+            cam.reader = StreamReader(self._num_streams, url, config, mux.cond, down, dial, name=name, tap=tap)
             mux.cameras[camera_id] = cam
             cam.reader.start()
             row = cam.row(time.monotonic())
@@ -285,6 +314,9 @@ class CameraService:
         deadline = time.monotonic() + timeout
         self.muxer.wait_idle(timeout)  # results still in the Runtime: wait for them, so they are published
         self.publisher.close()
+        if self.clips is not None:  # after the publisher's last events: clips end with the frames they have
+            self._threads[1].join(max(0.1, deadline - time.monotonic()))
+            self.clips.close()
         for t in self._threads:
             t.join(max(0.1, deadline - time.monotonic()))
         for cam in cams:

@@ -21,7 +21,7 @@ from typing import IO, Any
 
 from runtime.vision.records import detection_record
 from workers import fleet_metrics
-from workers.cameras_state import Result
+from workers.cameras_state import LAST_EVENTS, Result
 
 log = logging.getLogger("tandem.cameras")
 
@@ -120,6 +120,10 @@ class Publisher:
         events = None
         if cam.analytics is not None and track_ids is not None:
             events = cam.analytics.update(det.boxes, det.names, track_ids, _frame_time(item), frame.image.shape[1::-1])
+            if events:
+                if cam.clips is not None:  # "clip": its path, known now (workers/camera_clips.py)
+                    cam.clips.on_events(events, frame.timestamp)
+                cam.events = (*cam.events, *events)[-LAST_EVENTS:]  # one swap: the row reads it whole
         record = _record(
             cam.camera_id,
             cam.public_url,

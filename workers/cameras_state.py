@@ -12,6 +12,7 @@ from sources.base import Frame
 from sources.stream_reader import StreamReader
 from workers.camera_checks import CameraOptions, redact
 
+LAST_EVENTS = 10  # a camera row's "last_events": its newest line and zone events, with their clips
 FPS_WINDOW_S = 5.0  # the "fps" a camera row shows: frames detected over the last few seconds
 STATS_WINDOW = 512  # recent frames a camera's latency percentiles and batch size mean are over
 # Why a frame read never reached a record: a newer one took its newest-only slot while the
@@ -37,6 +38,8 @@ class Camera:
     gate: Any = None  # a MotionGate, or None
     tracker: Any = None  # a Tracker (runtime/vision/tracking.py), or None; the publisher's
     analytics: Any = None  # a CameraAnalytics (runtime/vision/analytics.py), or None; the publisher's
+    clips: Any = None  # its CameraClips (workers/camera_clips.py), or None
+    events: tuple = ()  # the newest LAST_EVENTS events, swapped whole by the publisher
     next_due: float = 0.0
     in_flight: int = 0
     seq: int = 0
@@ -134,6 +137,9 @@ class Camera:
             # Running counts, {"lines": {name: {"in", "out"}}, "zones": {name: {"occupancy",
             # "entries", "exits"}}} (None: no lines or zones); the publisher swaps it whole.
             "counts": None if self.analytics is None else self.analytics.counts,
+            "last_events": list(self.events),
+            # Its clip ring and clips (workers/camera_clips.py CameraClips.stats; None: no clips).
+            "clips": None if self.clips is None else self.clips.stats(),
             "carried_over": self.carried,
             "latency_ms_p50": _percentile(latencies, 0.5),
             "latency_ms_p99": _percentile(latencies, 0.99),

@@ -2,8 +2,9 @@
 for `tandem streams` (server/streams_app.py mounts them behind its API key and Host check).
 
     GET /cameras/{id}/view   multipart/x-mixed-replace JPEGs of service.latest(id), boxes drawn
-    GET /                    every camera's live view, health, fps, drops and latency, and the
-                             counts of its lines and zones
+    GET /                    every camera's live view, health, fps, drops and latency, the
+                             counts of its lines and zones, and its last events with their
+                             clips' file names (workers/camera_clips.py; not served over HTTP)
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ h1 { font-size: 1.1rem; font-weight: 600; }
 .name { font-weight: 600; }
 .state { font-size: .8rem; padding: 0 .4rem; border-radius: 3px; background: #2e7d32; }
 .cam.down .state { background: #c62828; }
-.stats, .counts { font-size: .8rem; color: #bbb; margin-top: .3rem; font-variant-numeric: tabular-nums; }
+.stats, .counts, .events { font-size: .8rem; color: #bbb; margin-top: .3rem; font-variant-numeric: tabular-nums; }
 .err { font-size: .75rem; color: #ef9a9a; min-height: 1em; }
 #status { font-size: .8rem; color: #bbb; }
 </style></head><body>
@@ -119,12 +120,19 @@ function counts(c) {  // lines and zones (runtime/vision/analytics.py), null wit
   for (const [name, z] of Object.entries(c.zones)) parts.push(name + ": " + z.occupancy + " now, " + z.entries + " entered");
   return parts.join(" · ");
 }
+function events(list) {  // the newest three, with the file name of the clip each is in
+  return (list || []).slice(-3).reverse().map((e) => {
+    const when = new Date(e.at * 1000).toLocaleTimeString();
+    const what = e.type === "line_cross" ? e.line + " " + e.direction : e.type.replace("zone_", "") + " " + e.zone;
+    return when + " " + what + (e.clip ? " (" + e.clip.split("/").pop() + ")" : "");
+  }).join(" · ");
+}
 function card(row) {
   const el = document.createElement("div");
   el.className = "cam";
   el.dataset.camera = row.camera;
   el.innerHTML = '<div class="head"><span class="name"></span><span class="state"></span></div>' +
-    '<img alt=""><div class="stats"></div><div class="counts"></div><div class="err"></div>';
+    '<img alt=""><div class="stats"></div><div class="counts"></div><div class="events"></div><div class="err"></div>';
   el.querySelector(".name").textContent = row.camera;
   const img = el.querySelector("img");
   img.alt = "camera " + row.camera;
@@ -147,6 +155,7 @@ function update(rows) {
       " p99 " + fmt(row.latency_ms_p99, " ms") + " · detections " + row.detections;
     el.querySelector(".err").textContent = down && row.last_error ? row.last_error : "";
     el.querySelector(".counts").textContent = counts(row.counts);
+    el.querySelector(".events").textContent = events(row.last_events);
     const img = el.querySelector("img");
     if (!down && img.dataset.was === "down") {  // back up: reconnect its view
       img.src = "cameras/" + encodeURIComponent(row.camera) + "/view?t=" + Date.now();

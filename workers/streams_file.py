@@ -30,9 +30,9 @@ from sources.streams import read_streams_lines
 
 log = logging.getLogger("tandem.cameras")
 
-FLOAT_OPTIONS = ("max_fps", "max_staleness_ms", "motion_threshold")
+FLOAT_OPTIONS = ("max_fps", "max_staleness_ms", "motion_threshold", "clip_pre_s", "clip_post_s")
 INT_OPTIONS = ("queue",)
-TEXT_OPTIONS = ("policy", "tracker")
+TEXT_OPTIONS = ("policy", "tracker", "clips")  # clips=on|off: CameraOptions checks it
 SHAPE_OPTIONS = ("lines", "zones")  # parsed here, so a bad one refuses the file naming its line
 KEYS = ("id", *FLOAT_OPTIONS, *INT_OPTIONS, *TEXT_OPTIONS, *SHAPE_OPTIONS, "analytics")
 
