@@ -21,7 +21,17 @@ Checked against `vllm bench serve` on one vLLM server within minutes: TTFT p50 a
 
 The servers run one after the other, never together: on a 2-core machine the second would
 measure the first. Tandem runs as in production (a private redis-server, one `tandem worker`,
-`tandem serve`), or `tandem serve --embedded`, or any server already running (--tandem-url).
+`tandem serve`), or `tandem serve --embedded` (its Runtime in an engine process of its own; with
+--compare-engine-process also `--no-engine-process`, the Runtime in the server's process, as the
+row tandem-inproc, right after), or any server already running (--tandem-url).
+
+Each Tandem row also says the engine's own inter-token latency (`engine ITL`: the mean of
+/metrics' inter_token_latency_seconds over the phase, as the engine timed it: about its step
+time in decode), so that a step made slower by what shares its process (a worker's Celery
+threads, the HTTP event loop) shows apart from the HTTP path's own cost. --engine-row runs the
+throughput phase's requests through the engine with no HTTP at all (a Runtime in a process of
+its own, every request submitted at once, the same flags) and prints served/engine output tok/s
+against the target of 0.90.
 
 llama.cpp's server reads the GGUF file itself (the default SmolLM2's, or --model's), with
 `--parallel` = --max-num-seqs slots of --max-model-len tokens each, continuous batching, and
@@ -121,6 +131,18 @@ def add_bench_serve_arguments(p) -> None:
     p.add_argument("--out", default="bench_out/serve")
     p.add_argument("--tandem-url", default=None, help="benchmark this running server instead of starting one")
     p.add_argument("--embedded", action="store_true", help="start `tandem serve --embedded` (no Redis, no worker)")
+    p.add_argument(
+        "--compare-engine-process",
+        action="store_true",
+        help="with --embedded: run `tandem serve --embedded --no-engine-process` (the Runtime in the server's "
+        "process) too, right after, as the row tandem-inproc",
+    )
+    p.add_argument(
+        "--engine-row",
+        action="store_true",
+        help="also run the throughput phase's requests through the engine with no HTTP (a Runtime, all at once) "
+        "and print served/engine output tok/s (target >= 0.90)",
+    )
     p.add_argument("--skip-tandem", action="store_true")
     p.add_argument(
         "--fsync",
@@ -410,11 +432,9 @@ class Server:
             self._cleanup()
 
 
-def start_tandem(args, out: Path) -> Server:
-    if args.tandem_url:
-        return Server("tandem", args.tandem_url)
-    port = free_port()
-    llm_flags = [
+def tandem_llm_flags(args) -> list[str]:
+    """The Runtime's flags of every Tandem row (the worker's, the embedded server's, the engine row's)."""
+    flags = [
         "--dtype",
         args.dtype,
         "--max-num-seqs",
@@ -422,14 +442,24 @@ def start_tandem(args, out: Path) -> Server:
         "--max-model-len",
         str(args.max_model_len),
     ]
-    llm_flags += ["--model", args.model] if args.model else []
-    llm_flags += ["--quantization", args.tandem_quantization] if args.tandem_quantization else []
+    flags += ["--model", args.model] if args.model else []
+    flags += ["--quantization", args.tandem_quantization] if args.tandem_quantization else []
+    return flags
+
+
+def start_tandem(args, out: Path, engine_process: bool = True) -> Server:
+    if args.tandem_url:
+        return Server("tandem", args.tandem_url)
+    port = free_port()
+    llm_flags = tandem_llm_flags(args)
     llm_flags += ["--served-model-name", args.served_model_name] if args.served_model_name else []
     serve = [sys.executable, "-m", "tandem", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if args.embedded:
-        cmd = serve + ["--embedded", "--queues", "llm", *llm_flags]
-        proc = _Process("tandem serve --embedded", cmd, out / "tandem-serve.log", python_env())
-        return Server("tandem", f"http://127.0.0.1:{port}", [proc])
+        mode = [] if engine_process else ["--no-engine-process"]
+        name, log = ("tandem", "tandem-serve.log") if engine_process else ("tandem-inproc", "tandem-serve-inproc.log")
+        cmd = serve + ["--embedded", *mode, "--queues", "llm", *llm_flags]
+        proc = _Process(f"tandem serve --embedded {' '.join(mode)}".strip(), cmd, out / log, python_env())
+        return Server(name, f"http://127.0.0.1:{port}", [proc])
     redis = RedisServer(args.fsync)
     procs: list[_Process] = []
     try:
@@ -541,10 +571,12 @@ def bench_server(server: Server, args, datasets: dict) -> dict:
         return results, wall, time.process_time() - cpu0
 
     report = {"name": server.name, "url": server.url, "model": server.model, "load_avg_before": os.getloadavg()[0]}
+    itl = EngineITL(server.url)
     if datasets["warmup"]:
         warm, _, _ = run(datasets["warmup"], float("inf"), args.seed, "warm-up")
         if not any(r.ok for r in warm):
             raise ServerFailed(f"{server.name}: every warm-up request failed: {sorted({r.error for r in warm})[:3]}")
+        itl.after(sum(r.output_tokens for r in warm if r.ok))
     # Best of --repeats on a shared machine: a neighbour's burst slows a run, never speeds one up.
     for phase, rate, better in (
         ("throughput", args.request_rate, lambda s: s["output_tok_s"]),
@@ -554,7 +586,9 @@ def bench_server(server: Server, args, datasets: dict) -> dict:
         for k, prompts in enumerate(datasets[phase]):
             desc = f"rate {rate:g}" + (f" run {k + 1}/{len(datasets[phase])}" if len(datasets[phase]) > 1 else "")
             results, wall, cpu = run(prompts, rate, args.seed + k, desc)
-            runs.append({"rate": _json_rate(rate), "client_cpu_s": cpu, **summarize(results, wall, args.output_len)})
+            summary = summarize(results, wall, args.output_len)
+            engine_itl = itl.after(summary["output_tokens"])
+            runs.append({"rate": _json_rate(rate), "client_cpu_s": cpu, "engine_itl_ms": engine_itl, **summary})
         best = max(runs, key=better)
         report[phase] = {
             **best,
@@ -563,6 +597,110 @@ def bench_server(server: Server, args, datasets: dict) -> dict:
         }
     report["load_avg_after"] = os.getloadavg()[0]
     return report
+
+
+def _metrics_totals(url: str) -> tuple[float, float, float] | None:
+    """(generated tokens, inter-token latency sum in seconds, its count) from the server's
+    /metrics, over every instance behind it; None when it has none (not Tandem)."""
+    import httpx
+
+    try:
+        resp = httpx.get(f"{url}/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
+    names = ("tandem:generation_tokens_total", "tandem:inter_token_latency_seconds_sum")
+    totals = dict.fromkeys((*names, "tandem:inter_token_latency_seconds_count"), 0.0)
+    if resp.status_code != 200 or names[0] not in resp.text:
+        return None
+    for line in resp.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return tuple(totals.values())  # type: ignore[return-value]
+
+
+class EngineITL:
+    """The engine's mean inter-token latency over a span of requests, from /metrics: the change
+    of inter_token_latency_seconds' sum over its count, read once generation_tokens shows the
+    span's tokens (a worker publishes its metrics at its heartbeat, 2 s; at most 15 s waited)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.last = _metrics_totals(url)
+
+    def after(self, num_tokens: int) -> float | None:
+        """The mean ITL in ms of the `num_tokens` generated since the last call (None: unknown)."""
+        if self.last is None:
+            return None
+        deadline = time.monotonic() + 15
+        now = _metrics_totals(self.url)
+        while now is not None and now[0] < self.last[0] + num_tokens and time.monotonic() < deadline:
+            time.sleep(0.25)
+            now = _metrics_totals(self.url)
+        if now is None:
+            return None
+        (_, sum0, count0), self.last = self.last, now
+        return 1000 * (now[1] - sum0) / (now[2] - count0) if now[2] > count0 else None
+
+
+def engine_row(args, out: Path, datasets: dict) -> dict:
+    """The throughput phase's requests through the engine with no HTTP: a Runtime on the same
+    flags in a process of its own (as the server's engine process), warmed up on the warm-up
+    prompts, then each run's requests submitted at once; the best run counts, as for the servers."""
+    spec = {
+        "flags": tandem_llm_flags(args),
+        "warmup": datasets["warmup"],
+        "runs": datasets["throughput"],
+        "output_len": args.output_len,
+    }
+    code = "import benchmarks.serve as s; s.engine_row_main()"
+    with open(out / "engine-row.log", "w") as log:
+        cmd = [sys.executable, "-c", code]
+        done = subprocess.run(
+            cmd, input=json.dumps(spec), stdout=subprocess.PIPE, stderr=log, text=True, env=python_env()
+        )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise ServerFailed(f"the engine row exited with {done.returncode}; see {out / 'engine-row.log'}")
+    row = json.loads(lines[-1])
+    best = max(row["runs"], key=lambda r: r["output_tok_s"])
+    return {**best, "runs_output_tok_s": [r["output_tok_s"] for r in row["runs"]]}
+
+
+def engine_row_main() -> None:
+    """The engine row's process: a JSON spec on stdin, one JSON line of runs on stdout."""
+    import argparse
+
+    from runtime.llm.sampling_params import SamplingParams
+    from runtime.runtime import Runtime
+    from workers.worker import add_runtime_arguments, worker_plan
+
+    spec = json.load(sys.stdin)
+    parser = argparse.ArgumentParser()
+    add_runtime_arguments(parser)
+    config, _, _ = worker_plan(parser.parse_args(["--queues", "llm", *spec["flags"]]))
+    rt = Runtime(**config)
+
+    def itl() -> tuple[float, int]:
+        h = rt.metrics_snapshot()["histograms"]["inter_token_latency_seconds"]
+        return h["sum"], h["count"]
+
+    def run(prompts: list[list[int]]) -> dict:
+        (sum0, count0), t0 = itl(), time.perf_counter()
+        params = [SamplingParams(max_tokens=spec["output_len"], temperature=0.0, ignore_eos=True) for _ in prompts]
+        handles = [rt.submit_generate(list(p), sp) for p, sp in zip(prompts, params)]
+        tokens = sum(len(h.result().token_ids) for h in handles)
+        wall, (sum1, count1) = time.perf_counter() - t0, itl()
+        engine_itl = 1000 * (sum1 - sum0) / (count1 - count0) if count1 > count0 else None
+        return {"output_tokens": tokens, "seconds": wall, "output_tok_s": tokens / wall, "engine_itl_ms": engine_itl}
+
+    try:
+        if spec["warmup"]:
+            run(spec["warmup"])
+        runs = [run(prompts) for prompts in spec["runs"]]
+    finally:
+        rt.close(False, 30)
+    print(json.dumps({"runs": runs}), flush=True)
 
 
 def _run_one(name: str, start, args, datasets, prefer: str | None, precision) -> dict:
@@ -662,6 +800,17 @@ def run_bench_serve(args) -> int:
     if args.llamacpp_threads is not None and args.llamacpp_threads < 1:
         print("tandem bench serve: --llamacpp-threads must be >= 1", file=sys.stderr)
         return 2
+    if args.compare_engine_process and not (args.embedded and not args.tandem_url and not args.skip_tandem):
+        print(
+            "tandem bench serve: --compare-engine-process compares two --embedded servers started here", file=sys.stderr
+        )
+        return 2
+    if args.engine_row and (args.tandem_url or args.skip_tandem):
+        print(
+            "tandem bench serve: --engine-row compares with a Tandem server started here on the same flags",
+            file=sys.stderr,
+        )
+        return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     hf_dir, vocab_size = model_dir(args.model)
@@ -697,6 +846,9 @@ def run_bench_serve(args) -> int:
         print(f"llama.cpp: {args.llamacpp_server} ({llamacpp_version(args.llamacpp_server)}) on {gguf}", flush=True)
     prec = precisions(args, gguf_prec)
     servers = [] if args.skip_tandem else [("tandem", lambda: start_tandem(args, out))]
+    if args.compare_engine_process:  # right after: the two modes under the same neighbours
+        prec["tandem-inproc"] = prec["tandem"]
+        servers.append(("tandem-inproc", lambda: start_tandem(args, out, engine_process=False)))
     servers += [] if vllm_reason else [("vllm", lambda: start_vllm(args, out, hf_dir, served))]
     servers += [] if llamacpp_reason else [("llama.cpp", lambda: start_llamacpp(args, out, gguf, served))]
     rows, failures = [], []
@@ -706,7 +858,15 @@ def run_bench_serve(args) -> int:
         except ServerFailed as exc:  # the other server is still worth measuring
             failures.append(str(exc))
             print(f"tandem bench serve: {exc}", file=sys.stderr, flush=True)
-    report = _report(args, rows, hf_dir, vllm_reason, llamacpp_reason, cpu)
+    engine = None
+    if args.engine_row:
+        print("starting the engine row (a Runtime, no HTTP) ...", flush=True)
+        try:
+            engine = engine_row(args, out, datasets)
+        except ServerFailed as exc:
+            failures.append(str(exc))
+            print(f"tandem bench serve: {exc}", file=sys.stderr, flush=True)
+    report = _report(args, rows, hf_dir, vllm_reason, llamacpp_reason, cpu, engine)
     if rows:
         _print(report)
         (out / "serve.json").write_text(json.dumps(no_nan(report), indent=2, allow_nan=False))
@@ -726,6 +886,7 @@ def _report(
     vllm_reason: str | None,
     llamacpp_reason: str | None = None,
     cpu: dict | None = None,
+    engine: dict | None = None,
 ) -> dict:
     report = {
         "cpu": cpu or cpu_info(),
@@ -744,7 +905,7 @@ def _report(
         "model_dir": hf_dir,
         "tandem_mode": "url"
         if args.tandem_url
-        else "embedded"
+        else "embedded (engine process)"
         if args.embedded
         else f"redis + worker (appendfsync {args.fsync})",
         "vllm_skipped": vllm_reason,
@@ -763,6 +924,13 @@ def _report(
         )
         tt, vt = t["latency"]["ttft_p50_ms"], v["latency"]["ttft_p50_ms"]
         report[f"ttft_p50_ratio{suffix}"] = tt / max(vt, 1e-9) if tt is not None and vt is not None else None
+    if engine is not None:  # issue 30's target: served output tok/s within 10% of the engine's alone
+        report["engine"] = engine
+        report["served_engine_ratio"] = {
+            r["name"]: r["throughput"]["output_tok_s"] / max(engine["output_tok_s"], 1e-9)
+            for r in rows
+            if r["name"].startswith("tandem")
+        }
     return report
 
 
@@ -770,14 +938,14 @@ def _print(report: dict) -> None:
     cpu = report.get("cpu") or {}
     print(f"\nCPU: {cpu.get('model')}, {cpu.get('cores')} cores, flags {cpu.get('flags')}")
     print(
-        f"{'server':<10}{'precision':<15}{'rate':>6}{'ok':>5}{'out tok/s':>11}{'TTFT p50':>11}{'TTFT p99':>11}{'TPOT p50':>11}"
+        f"{'server':<14}{'precision':<15}{'rate':>6}{'ok':>5}{'out tok/s':>11}{'TTFT p50':>11}{'TTFT p99':>11}{'TPOT p50':>11}"
         f"{'ITL p50':>10}{'e2e p50':>11}{'seconds':>9}"
     )
     for r in report["servers"]:
         for phase in ("throughput", "latency"):
             s = r[phase]
             print(
-                f"{r['name']:<10}{r.get('precision', ''):<15}{s['rate']!s:>6}{s['num_ok']:>5}{s['output_tok_s']:>11.1f}"
+                f"{r['name']:<14}{r.get('precision', ''):<15}{s['rate']!s:>6}{s['num_ok']:>5}{s['output_tok_s']:>11.1f}"
                 f"{s['ttft_p50_ms']:>8.0f} ms{s['ttft_p99_ms']:>8.0f} ms{s['tpot_p50_ms']:>8.1f} ms"
                 f"{s['itl_p50_ms']:>7.1f} ms{s['e2e_p50_ms']:>8.0f} ms{s['seconds']:>9.1f}"
             )
@@ -795,6 +963,9 @@ def _print(report: dict) -> None:
             )
         if r.get("precision_detail"):
             print(f"        precision: {r['precision_detail']}")
+        itls = [(r[phase]["rate"], r[phase].get("engine_itl_ms")) for phase in ("throughput", "latency")]
+        if any(ms is not None for _, ms in itls):
+            print("        engine ITL (its step, in decode): " + "; ".join(f"{_ms(ms)} at rate {q}" for q, ms in itls))
         cpu = sum(r[phase]["client_cpu_s"] for phase in ("throughput", "latency"))
         print(
             f"        load average {r['load_avg_before']:.2f} before, {r['load_avg_after']:.2f} after; "
@@ -814,6 +985,20 @@ def _print(report: dict) -> None:
             f"{report['ttft_rate']:g}/s {_x(report['ttft_p50_ratio_llamacpp'])} "
             f"(Tandem {prec.get('tandem')} against llama.cpp {prec.get('llama.cpp')})"
         )
+
+    if report.get("engine"):
+        e = report["engine"]
+        print(
+            f"{'engine':<14}{'(no HTTP)':<15}{'inf':>6}{'':>5}{e['output_tok_s']:>11.1f}"
+            f"  output tokens/s of the throughput requests on a Runtime alone; engine ITL {_ms(e['engine_itl_ms'])}"
+        )
+        for name, ratio in report["served_engine_ratio"].items():
+            verdict = "target met" if ratio >= 0.90 else "target not met"
+            print(f"{name} served/engine output tok/s: {ratio:.2f} (target >= 0.90: {verdict})")
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} ms"
 
 
 def _x(ratio: float | None) -> str:

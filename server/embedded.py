@@ -1,13 +1,19 @@
-"""`tandem serve --embedded`: a Runtime in the server's own process (one machine, no Redis),
-behind the same interface as the workers' backend (server/backends.py's Stream): `generate()`
-returns a HandleStream, whose events are the ones a worker writes for the same generation, made
-by the same translation (workers/choices.py), so that the routes cannot tell the two apart.
+"""`tandem serve --embedded` in one process (`--no-engine-process`): a Runtime in the server's
+own process, behind the same interface as the workers' backend (server/backends.py's Stream):
+`generate()` returns a HandleStream, whose events are the ones a worker writes for the same
+generation, made by the same translation (workers/choices.py), so that the routes cannot tell
+the two apart.
+
+The pieces that run next to the Runtime (starting a generation, its outputs as JobEvents, an
+image checked and decoded for detection) are plain functions and classes with no event loop,
+so that the engine process (server/engine_process.py) runs the very same ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import CancelledError, Future
 
 from server import protocol
 from server.backends import fleet_health
@@ -27,69 +33,156 @@ def token_texts(tokenizer, params):
     return TokenTexts(tokenizer)
 
 
-class HandleStream:
-    """A GenerationHandle read from the event loop: the handle's listener wakes the loop. Its
-    outputs become JobEvents through workers/choices.py's OutputEvents, as a worker's do; with a
-    `tools` ToolStream (workers/tool_stream.py), a tool job's text becomes content and tool events
-    here, as a worker's does."""
+class GenerationEvents:
+    """A GenerationHandle's outputs as JobEvents, without waiting: `take()` turns what the handle
+    holds now into events (workers/choices.py's OutputEvents, as a worker's; with a `tools`
+    ToolStream, a tool job's text becomes content and tool events, as a worker's does), the last
+    of them final once the generation ended (`ended`)."""
 
-    def __init__(self, handle, loop: asyncio.AbstractEventLoop, params, tools=None, texts=None) -> None:
+    def __init__(self, handle, params, tools=None, texts=None) -> None:
         self.handle = handle
-        self.id = handle.request_id
-        self._wake = asyncio.Event()
-        self._loop = loop
-        self.final = None
+        self.final = None  # the final RequestOutput, once it came
         self.tools = tools
+        self.ended = False
         num = params.n if params.num_choices > 1 else 1
         self.outputs = OutputEvents(params, [ChoiceState(k) for k in range(num)], texts)
-        handle.set_listener(lambda: loop.is_closed() or loop.call_soon_threadsafe(self._wake.set))
 
-    async def events(self) -> AsyncIterator[JobEvent]:
-        from concurrent.futures import CancelledError
-
-        while True:
-            outputs, error = self.handle.poll()
-            for out in outputs:
-                for event in self.outputs.feed(out):
-                    if event.type == TOKEN and self.tools is not None:
-                        event.text, calls = self.tools.feed(event.text)
-                        yield event
-                        for call in calls:
-                            yield call
-                    else:
-                        yield event
-                if out.finished:
-                    self.final = out
-            if error is not None:
-                if isinstance(error, CancelledError):
-                    yield JobEvent(CANCELLED, finish_reason="abort")
+    def take(self) -> list[JobEvent]:
+        if self.ended:
+            return []
+        events: list[JobEvent] = []
+        outputs, error = self.handle.poll()
+        for out in outputs:
+            for event in self.outputs.feed(out):
+                if event.type == TOKEN and self.tools is not None:
+                    event.text, calls = self.tools.feed(event.text)
+                    events.append(event)
+                    events += calls
                 else:
-                    code = getattr(self.final, "error_code", None)
-                    deadline = code == "deadline_exceeded" or isinstance(error, TimeoutError)
-                    yield JobEvent(FAILED, error=str(error), finish_reason="deadline_exceeded" if deadline else "abort")
-                return
-            if self.final is not None:
-                text, reason = self.outputs.trailing, self.final.finish_reason
-                if self.tools is not None:
-                    text, calls = self.tools.feed(text)
-                    for event in calls:
-                        yield event
-                    rest, calls, _, reason = self.tools.finish(reason)
-                    text += rest
-                    for event in calls:
-                        yield event
-                yield JobEvent(DONE, text, finish_reason=reason, stop_reason=self.final.stop_reason)
-                return
-            await self._wake.wait()
-            self._wake.clear()
+                    events.append(event)
+            if out.finished:
+                self.final = out
+        if error is not None:
+            self.ended = True
+            if isinstance(error, CancelledError):
+                events.append(JobEvent(CANCELLED, finish_reason="abort"))
+            else:
+                code = getattr(self.final, "error_code", None)
+                deadline = code == "deadline_exceeded" or isinstance(error, TimeoutError)
+                reason = "deadline_exceeded" if deadline else "abort"
+                events.append(JobEvent(FAILED, error=str(error), finish_reason=reason))
+        elif self.final is not None:
+            self.ended = True
+            text, reason = self.outputs.trailing, self.final.finish_reason
+            if self.tools is not None:
+                text, calls = self.tools.feed(text)
+                events += calls
+                rest, calls, _, reason = self.tools.finish(reason)
+                text += rest
+                events += calls
+            events.append(JobEvent(DONE, text, finish_reason=reason, stop_reason=self.final.stop_reason))
+        return events
 
-    async def usage(self) -> dict:
-        """The prompt once, and every choice's tokens (best_of > n: the n kept)."""
+    def usage(self) -> dict:
+        """The prompt once, and every choice's tokens (best_of > n: the n kept); {} before the end."""
         out = self.final
         if out is None:
             return {}
         n, m = len(out.prompt_token_ids), sum(len(c.ids) for c in self.outputs.choices)
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+
+def start_generation(rt, job: dict, deadline_s: float | None, max_queued: int) -> GenerationEvents:
+    """Submit the job (a Generation's job dict, tool_call_parser set where the server has one)
+    to `rt`. Raises APIError (no LLM 404, the queue full 503) or ValueError naming the field.
+    The chat template and the tokenizer run here: call it off any event loop."""
+    from runtime.llm.sampling_params import SamplingParams
+
+    if rt.llm is None:
+        raise APIError(404, "this server runs no LLM (start it without --queues vision)", "model")
+    waiting = rt.llm_load().num_waiting
+    if waiting >= max_queued:
+        raise APIError(
+            503,
+            f"the queue is full ({waiting} requests waiting, --max-queued {max_queued}); retry later",
+            headers={"Retry-After": "1"},
+        )
+    job = dict(job)
+    tools = ToolJob.from_kwargs(job)  # the same tool job a worker runs (protocol checked it)
+    for name in TOOL_FIELDS:
+        job.pop(name, None)
+    prompt = job.pop("messages", None) or job.pop("prompt")
+    priority = job.pop("priority", 0)
+    params = SamplingParams(**job)
+    texts = token_texts(rt.tokenizer, params)
+    stream = None
+    if tools is not None:
+        tools.check_params(params)  # as a worker's parse_generate does (n > 1 refused)
+        prompt, params, fmt = tools.prepare(rt.tokenizer, prompt, params)
+        stream = ToolStream(fmt, tools.request)
+    handle = rt.submit_generate(prompt, params, priority, deadline_s)
+    return GenerationEvents(handle, params, stream, texts)
+
+
+def detect_item(rt, kind: str, value: bytes | str, allowed_roots: tuple, allowed_url_prefixes: tuple):
+    """(the record's source, the image to detect) of a /v1/detect request: a path under the
+    allowed roots, a URL under the allowed prefixes (fetched), or uploaded bytes, decoded within
+    the model's pixel limit. APIError 404 without a vision model, 400 naming `kind` else. Blocks
+    (a fetch, a decode): call it off any event loop."""
+    from workers.jobs import decode_upload, fetch_image, max_image_pixels
+    from workers.jobspec import allowed_path, allowed_url
+
+    if rt.vision is None:
+        raise APIError(404, "this server runs no vision model", "model")
+    try:
+        if kind == "path":
+            return (path := allowed_path(value, allowed_roots)), path
+        if kind == "url":
+            source = allowed_url(value, allowed_url_prefixes)
+            return source, decode_upload(fetch_image(source, allowed_url_prefixes), "url", max_image_pixels(rt))
+        return "image", decode_upload(value, "image", max_image_pixels(rt))
+    except ValueError as exc:
+        raise APIError(400, str(exc), kind) from None
+
+
+def submit_detect(rt, item, kind: str, deadline_s: float | None) -> Future:
+    """rt.submit_detect, its refusals as APIError (400 naming `kind`, 503 with the queue full)."""
+    from schedulers.batch_queue import QueueFullError
+
+    try:
+        return rt.submit_detect(item, deadline_s=deadline_s)
+    except ValueError as exc:
+        raise APIError(400, str(exc), kind) from None
+    except QueueFullError as exc:
+        raise APIError(503, f"the vision queue is full ({exc}); retry later", headers={"Retry-After": "1"}) from None
+
+
+class HandleStream:
+    """A generation of this process's Runtime, read from the event loop: the handle's listener
+    wakes the loop, and GenerationEvents turns its outputs into JobEvents."""
+
+    def __init__(self, gen: GenerationEvents, loop: asyncio.AbstractEventLoop) -> None:
+        self.gen = gen
+        self.handle = gen.handle
+        self.id = gen.handle.request_id
+        self._wake = asyncio.Event()
+        self.handle.set_listener(lambda: loop.is_closed() or loop.call_soon_threadsafe(self._wake.set))
+
+    @property
+    def final(self):
+        return self.gen.final
+
+    async def events(self) -> AsyncIterator[JobEvent]:
+        while True:
+            for event in self.gen.take():
+                yield event
+            if self.gen.ended:
+                return
+            await self._wake.wait()
+            self._wake.clear()
+
+    async def usage(self) -> dict:
+        return self.gen.usage()
 
     async def cancel(self) -> None:
         self.handle.cancel()
@@ -138,73 +231,23 @@ class EmbeddedBackend:
         """`owner` is taken and not used: an embedded generation is no job, its request id is
         seen by nobody but its own request (the job API refuses --embedded, and cancel here
         finds nothing), so there is nothing another key could reach."""
-        from runtime.llm.sampling_params import SamplingParams
-
-        rt = self.runtime
-        if rt.llm is None:
-            raise APIError(404, "this server runs no LLM (start it without --queues vision)", "model")
-        waiting = rt.llm_load().num_waiting
-        if waiting >= self.max_queued:
-            raise APIError(
-                503,
-                f"the queue is full ({waiting} requests waiting, --max-queued {self.max_queued}); retry later",
-                headers={"Retry-After": "1"},
-            )
-        job = dict(gen.job)
-        if gen.tools and self.tool_call_parser is not None:
-            job.setdefault("tool_call_parser", self.tool_call_parser)
-        tools = ToolJob.from_kwargs(job)  # the same tool job a worker runs (protocol checked it)
-        for name in TOOL_FIELDS:
-            job.pop(name, None)
-        prompt = job.pop("messages", None) or job.pop("prompt")
-        priority = job.pop("priority", 0)
-        params = SamplingParams(**job)
-        texts = token_texts(rt.tokenizer, params)
-
-        def submit():  # the chat template and the tokenizer run off the event loop
-            nonlocal prompt, params
-            stream = None
-            if tools is not None:
-                tools.check_params(params)  # as a worker's parse_generate does (n > 1 refused)
-                prompt, params, fmt = tools.prepare(rt.tokenizer, prompt, params)
-                stream = ToolStream(fmt, tools.request)
-            return rt.submit_generate(prompt, params, priority, deadline_s), stream
-
-        try:
-            handle, stream = await asyncio.to_thread(submit)
+        job = job_of(gen, self.tool_call_parser)
+        try:  # the chat template and the tokenizer run off the event loop
+            started = await asyncio.to_thread(start_generation, self.runtime, job, deadline_s, self.max_queued)
         except ValueError as exc:
             raise protocol.field_error(exc) from None
-        return HandleStream(handle, asyncio.get_running_loop(), params, stream, texts)
+        return HandleStream(started, asyncio.get_running_loop())
 
     async def cancel(self, request_id: str) -> str:
         return "missing"
 
     async def detect(self, kind: str, value: bytes | str, deadline_s: float | None) -> dict:
         from runtime.vision.records import detection_record
-        from schedulers.batch_queue import QueueFullError
-        from workers.jobs import decode_upload, fetch_image, max_image_pixels
-        from workers.jobspec import allowed_path, allowed_url
 
         rt = self.runtime
-        if rt.vision is None:
-            raise APIError(404, "this server runs no vision model", "model")
-        try:
-            if kind == "path":
-                source = item = allowed_path(value, self.allowed_roots)
-            elif kind == "url":
-                source = allowed_url(value, self.allowed_url_prefixes)
-                item = await asyncio.to_thread(
-                    lambda: decode_upload(fetch_image(source, self.allowed_url_prefixes), "url", max_image_pixels(rt))
-                )
-            else:
-                source, item = "image", await asyncio.to_thread(decode_upload, value, "image", max_image_pixels(rt))
-            future = rt.submit_detect(item, deadline_s=deadline_s)
-        except ValueError as exc:
-            raise APIError(400, str(exc), kind) from None
-        except QueueFullError as exc:
-            raise APIError(
-                503, f"the vision queue is full ({exc}); retry later", headers={"Retry-After": "1"}
-            ) from None
+        roots, prefixes = self.allowed_roots, self.allowed_url_prefixes
+        source, item = await asyncio.to_thread(detect_item, rt, kind, value, roots, prefixes)
+        future = submit_detect(rt, item, kind, deadline_s)
         wrapped = asyncio.wrap_future(future)
         try:
             det = await wrapped
@@ -212,3 +255,11 @@ class EmbeddedBackend:
             future.cancel()
             raise
         return detection_record(source, 0, det)
+
+
+def job_of(gen: Generation, tool_call_parser: str | None) -> dict:
+    """The job a generation runs: the request's, with --tool-call-parser for a tool job."""
+    job = dict(gen.job)
+    if gen.tools and tool_call_parser is not None:
+        job.setdefault("tool_call_parser", tool_call_parser)
+    return job

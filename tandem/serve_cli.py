@@ -1,7 +1,11 @@
 """`tandem serve`: the HTTP front's flags and process (the app is server/app.py).
 
 tandem serve --port 8000                      # over the workers: TANDEM_REDIS_URL, `tandem worker`
-tandem serve --port 8000 --embedded           # a Runtime in this process; no Redis, no workers
+tandem serve --port 8000 --embedded           # a Runtime of its own; no Redis, no workers
+
+--embedded runs the Runtime in an engine process of its own (server/engine_client.py), so that
+the HTTP event loop and the engine's threads do not share a process; --no-engine-process keeps
+it in the server's process (server/embedded.py), for comparison.
 """
 
 from __future__ import annotations
@@ -18,7 +22,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--redis-url", default=None, help="the workers' Redis (default: $TANDEM_REDIS_URL or local)")
-    p.add_argument("--embedded", action="store_true", help="host a Runtime in this process instead of using workers")
+    p.add_argument("--embedded", action="store_true", help="host a Runtime of its own instead of using workers")
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --embedded: run the Runtime in a child process of its own, joined to the server by a Unix socket "
+        "(the HTTP event loop then never shares a GIL or cores' threads with the engine; the default); "
+        "--no-engine-process: in the server's own process, as before (for comparison: `tandem bench serve "
+        "--embedded --compare-engine-process`)",
+    )
     p.add_argument(
         "--max-queued",
         type=int,
@@ -76,6 +89,9 @@ def _check(args: argparse.Namespace) -> None:
         v = getattr(args, flag)
         if not 0 < v < float("inf"):
             raise ValueError(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {v}")
+    if args.engine_process is not None and not args.embedded:
+        flag = "--engine-process" if args.engine_process else "--no-engine-process"
+        raise ValueError(f"{flag} goes with --embedded (without it the workers run the engines)")
     api_key(args)
 
 
@@ -88,9 +104,9 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 
 def build_backend(args: argparse.Namespace):
-    """The backend the flags ask for (loads the Runtime when --embedded)."""
+    """The backend the flags ask for (loads the Runtime when --embedded: in the engine process,
+    whose start-up errors come back as ValueError or EngineStartError)."""
     from server.backends import JobsBackend
-    from server.embedded import EmbeddedBackend
     from workers.settings import JobSettings
 
     overrides = {"redis_url": args.redis_url}
@@ -101,13 +117,26 @@ def build_backend(args: argparse.Namespace):
     settings = JobSettings.from_env(**overrides)
     if not args.embedded:
         return JobsBackend(settings, max_queued=args.max_queued, tool_call_parser=args.tool_call_parser)
-    from runtime.runtime import Runtime
     from workers.host import served_model_name
     from workers.worker import worker_plan
 
     config, _, _ = worker_plan(args)
-    runtime = Runtime(**config)
     name = args.served_model_name or served_model_name((config.get("llm") or {}).get("model"))
+    if args.engine_process is not False:
+        from server.engine_client import EngineProcessBackend
+
+        return EngineProcessBackend.start(
+            config,
+            name,
+            args.max_queued,
+            settings.allowed_roots,
+            settings.allowed_url_prefixes,
+            tool_call_parser=args.tool_call_parser,
+        )
+    from runtime.runtime import Runtime
+    from server.embedded import EmbeddedBackend
+
+    runtime = Runtime(**config)
     return EmbeddedBackend(
         runtime,
         name,
@@ -119,12 +148,26 @@ def build_backend(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from server.engine_client import EngineStartError
+
     try:
         _check(args)
         backend = build_backend(args)
     except ValueError as exc:
         print(f"tandem serve: error: {exc}", file=sys.stderr)
         return 2
+    except EngineStartError as exc:  # its traceback is on stderr already, from the engine process
+        print(f"tandem serve: error: the engine process failed to start: {exc}", file=sys.stderr)
+        return 1
+    engine = getattr(backend, "engine", None)
+    try:
+        return _serve(args, backend)
+    finally:
+        if engine is not None:  # closed by the app's shutdown already, unless uvicorn never started it
+            engine.stop(30)
+
+
+def _serve(args: argparse.Namespace, backend) -> int:
     import socket
 
     import uvicorn
