@@ -75,18 +75,21 @@ def _prompts(tok) -> list[list[int]]:
         "Copy this passage word for word.\n\n" + PASSAGE + " " + PASSAGE,  # shares the first's prefix
         "The quick brown fox jumps over the lazy dog. Then",
     ]
+    texts += [texts[0], texts[1]]  # again, with a stop string and with a grammar
     return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
 def _params() -> list[SamplingParams]:
-    """Greedy requests, some that draft and some that may not (penalties, logprobs, stop
-    strings: they decode one token a step beside the others), all ignore_eos."""
+    """Greedy requests, some that draft and some that may not (logprobs, penalties, stop
+    strings, a grammar: they decode one token a step beside the others), all ignore_eos."""
     plain = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     return [
         plain,
         SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2),
         plain,
         SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, repetition_penalty=1.2),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=["the", "\n"]),
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, structured_outputs={"regex": "[a-z ,.]{1,60}"}),
     ]
 
 
