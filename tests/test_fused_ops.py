@@ -1,4 +1,5 @@
-"""kernels/fused_ops.py: tandem::rms_norm and tandem::add_rms_norm against their torch path."""
+"""kernels/fused_ops.py: tandem::rms_norm, add_rms_norm, silu_mul, rope and rope_write_kv against
+their torch path, and a model's greedy tokens with and without them."""
 
 from __future__ import annotations
 
@@ -145,6 +146,179 @@ def test_torch_path_is_the_old_formula():
     assert torch.equal(new_res, x + res) and torch.equal(y, F.rms_norm(x + res, (64,), w, EPS))
 
 
+def _exact(got: torch.Tensor, want: torch.Tensor) -> None:
+    """silu_mul and RoPE round where torch rounds, in both dtypes: the same bits."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+def _gate_up(t: int, i: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + t * 7919 + i)
+    return (torch.randn(t, 2 * i, generator=g) * 4).to(dtype)  # |gate| up to ~16: exp's whole range
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("i", [1536, 64, 37, 100, 7])  # SmolLM2's, and rows with a scalar rest
+@pytest.mark.parametrize("t", [1, 3, 16, 300])
+def test_silu_mul_matches_the_torch_path(cpp, t, i, dtype):
+    gate_up = _gate_up(t, i, dtype)
+    _exact(fo.silu_mul(gate_up), fo.silu_mul_torch(gate_up))
+
+
+def test_silu_mul_is_the_mlp_formula(cpp):
+    """F.silu(gate) * up, and HF's written-out gate * sigmoid(gate) * up within a rounding."""
+    gate_up = _gate_up(16, 1536, torch.float32)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(fo.silu_mul(gate_up), F.silu(gate) * up)
+    torch.testing.assert_close(fo.silu_mul(gate_up), gate * torch.sigmoid(gate) * up, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_strided_rows(cpp, dtype):
+    """Rows of a wider tensor (the layout a slice of a bigger projection would have)."""
+    big = _gate_up(9, 300, dtype)
+    gate_up = big[:, 100:500]
+    assert not gate_up.is_contiguous()
+    _exact(fo.silu_mul(gate_up), fo.silu_mul_torch(gate_up.contiguous()))
+
+
+def _rope_inputs(t: int, nh: int, nkv: int, hd: int, dtype: torch.dtype, seed: int = 0):
+    """qkv [T, (nh + 2 nkv) hd] and the tables at random positions, as the model builds them."""
+    g = torch.Generator().manual_seed(seed + t * 7919 + nh * 31 + hd)
+    qkv = (torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 3).to(dtype)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    freqs = torch.randint(0, 8192, (t,), generator=g).float()[:, None] * inv[None, :]
+    return qkv, freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+# SmolLM2's heads (9 q, 3 kv, 64 wide), Llama's 128-wide heads, and odd widths (a scalar rest).
+ROPE_SHAPES = [(9, 3, 64), (4, 2, 128), (2, 1, 10), (3, 3, 38)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nh, nkv, hd", ROPE_SHAPES)
+@pytest.mark.parametrize("t", [1, 3, 16, 300])
+def test_rope_matches_the_torch_path(cpp, t, nh, nkv, hd, dtype):
+    qkv, cos, sin = _rope_inputs(t, nh, nkv, hd, dtype)
+    _exact(fo.rope(qkv, cos, sin, nh, nkv), fo.rope_torch(qkv, cos, sin, nh, nkv))
+
+
+def test_rope_is_hf_rotate_half(cpp):
+    """HF's q * cos + rotate_half(q) * sin with full-width tables: the same bits."""
+    qkv, cos, sin = _rope_inputs(16, 9, 3, 64, torch.float32)
+    x = qkv[:, : 12 * 64].view(16, 12, 64)
+    c, s = torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
+    rotated = torch.cat((-x[..., 32:], x[..., :32]), -1)
+    assert torch.equal(fo.rope(qkv, cos, sin, 9, 3), x * c + rotated * s)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_strided_inputs(cpp, dtype):
+    """qkv rows of a wider tensor, and tables sliced out of wider ones."""
+    big, cos, sin = _rope_inputs(7, 9, 3, 64, dtype)
+    qkv = torch.cat((big, big[:, :64]), 1)[:, 32 : 32 + big.shape[1]]
+    wide_cos, wide_sin = torch.cat((cos, cos), 1)[:, 5:37], torch.cat((sin, sin), 1)[:, 5:37]
+    want = fo.rope_torch(qkv.contiguous(), wide_cos.contiguous(), wide_sin.contiguous(), 9, 3)
+    _exact(fo.rope(qkv, wide_cos, wide_sin, 9, 3), want)
+
+
+def _cache(num_blocks: int, nkv: int, hd: int, dtype: torch.dtype):
+    k = torch.full((num_blocks, 16, nkv, hd), 7.0, dtype=dtype)  # 7: any slot left alone stays 7
+    return k, k.clone()
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nh, nkv, hd", ROPE_SHAPES)
+@pytest.mark.parametrize("t", [1, 16, 300])
+def test_rope_write_kv_matches_the_torch_path(cpp, t, nh, nkv, hd, dtype, slot_dtype):
+    qkv, cos, sin = _rope_inputs(t, nh, nkv, hd, dtype)
+    g = torch.Generator().manual_seed(t)
+    slots = torch.randperm(24 * 16, generator=g)[:t].to(slot_dtype)
+    slots[::5] = -1  # padding rows: not written
+    k, v = _cache(24, nkv, hd, dtype)
+    k_ref, v_ref = _cache(24, nkv, hd, dtype)
+    k_eager, v_eager = _cache(24, nkv, hd, dtype)
+    q = fo.rope_write_kv(qkv, cos, sin, k, v, slots, nh)
+    q_ref = fo.rope_write_kv_torch(qkv, cos, sin, k_ref, v_ref, slots, nh)
+    q_eager = fo.rope_write_kv_eager(qkv, cos, sin, k_eager, v_eager, slots, nh)  # the model's eager call
+    _exact(q, q_ref)
+    _exact(q_eager, q_ref)
+    assert q.is_contiguous() and q.shape == (t, nh, hd)
+    _exact(k, k_ref)
+    _exact(v, v_ref)
+    assert torch.equal(k_eager, k) and torch.equal(v_eager, v)
+    # the same as rope, then write_kv of its k heads and qkv's v heads
+    qk = fo.rope_torch(qkv, cos, sin, nh, nkv)
+    kept = slots >= 0
+    assert torch.equal(k.view(-1, nkv, hd)[slots[kept].long()], qk[kept, nh:])
+    assert torch.equal(v.view(-1, nkv, hd)[slots[kept].long()], qkv[kept, (nh + nkv) * hd :].view(-1, nkv, hd))
+    assert int((k.view(-1, nkv, hd) != 7).any(-1).any(-1).sum()) <= int(kept.sum())
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: fo.silu_mul(torch.randn(2, 7)), "gate_up must have 2 dimensions"),
+        (lambda: fo.silu_mul(torch.randn(2, 8).half()), "gate_up must have dtype"),
+        (lambda: fo.rope(torch.randn(2, 12 * 64), torch.randn(3, 32), torch.randn(3, 32), 9, 3), "cos and sin must be"),
+        (lambda: fo.rope(torch.randn(2, 12 * 64), torch.randn(2, 32).bfloat16(), torch.randn(2, 32), 9, 3), "dtype"),
+        (lambda: fo.rope(torch.randn(2, 11 * 64), torch.randn(2, 32), torch.randn(2, 32), 9, 3), "columns"),
+        (lambda: fo.rope(torch.randn(2, 12 * 64), torch.randn(2, 32), torch.randn(2, 32), 0, 3), "must be > 0"),
+    ],
+)
+def test_new_op_errors_name_the_argument(cpp, call, match):
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        call()
+
+
+def test_rope_write_kv_errors(cpp):
+    qkv, cos, sin = _rope_inputs(2, 9, 3, 64, torch.float32)
+    k, v = _cache(2, 3, 64, torch.float32)
+    slots = torch.tensor([0, 1])
+    for fn in (fo.rope_write_kv, fo.rope_write_kv_torch):
+        with pytest.raises((ValueError, RuntimeError), match="columns"):
+            fn(qkv[:, :-64], cos, sin, k, v, slots, 9)
+        with pytest.raises((ValueError, RuntimeError), match="slot_mapping must be"):
+            fn(qkv, cos, sin, k, v, slots.float(), 9)
+        with pytest.raises((ValueError, RuntimeError), match="caches must have qkv's dtype"):
+            fn(qkv, cos, sin, k.bfloat16(), v.bfloat16(), slots, 9)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        fo.rope_write_kv(qkv, cos, sin, k, v, torch.tensor([0, 32]), 9)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_new_ops_opcheck(cpp, dtype):
+    qkv, cos, sin = _rope_inputs(3, 2, 1, 64, dtype)
+    k, v = _cache(2, 1, 64, dtype)
+    torch.library.opcheck(torch.ops.tandem.silu_mul.default, (_gate_up(3, 64, dtype),))
+    torch.library.opcheck(torch.ops.tandem.rope.default, (qkv, cos, sin, 2, 1))
+    torch.library.opcheck(torch.ops.tandem.rope_write_kv.default, (qkv, cos, sin, k, v, torch.tensor([3, -1, 17]), 2))
+
+
+def test_new_ops_torch_compile_fullgraph(cpp):
+    qkv, cos, sin = _rope_inputs(4, 2, 1, 64, torch.float32)
+    gate_up = _gate_up(4, 64, torch.float32)
+
+    def block(qkv, cos, sin, gate_up):
+        return fo.rope(qkv * 2.0, cos, sin, 2, 1) + 1.0, fo.silu_mul(gate_up + 1.0)
+
+    eager = block(qkv, cos, sin, gate_up)
+    got = torch.compile(block, fullgraph=True, dynamic=False)(qkv, cos, sin, gate_up)
+    torch.testing.assert_close(got, eager)
+
+
+def test_new_ops_torch_path_is_the_old_formula():
+    """The fallback: the model's formulas before the ops (F.silu(gate) * up; _rope's cat)."""
+    gate_up = _gate_up(3, 64, torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(fo.silu_mul_torch(gate_up), F.silu(gate) * up)
+    qkv, cos, sin = _rope_inputs(3, 2, 1, 64, torch.bfloat16)
+    x = qkv[:, :192].view(3, 3, 64)
+    x1, x2, c, s = x[..., :32], x[..., 32:], cos.unsqueeze(1), sin.unsqueeze(1)
+    assert torch.equal(fo.rope_torch(qkv, cos, sin, 2, 1), torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1))
+
+
 def test_greedy_tokens_identical_with_and_without_the_fused_ops(cpp, smollm2_dir, monkeypatch):
     from runtime.llm.api import LLM
     from runtime.llm.sampling_params import SamplingParams
@@ -161,10 +335,32 @@ def test_greedy_tokens_identical_with_and_without_the_fused_ops(cpp, smollm2_dir
     def tokens():
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
+    # The model reaches the ops through the module's attributes: count the C++ ops' calls, then
+    # point them at the torch path. (rope, without the K/V write, is the other attention
+    # backends' and the captured step's: tests/test_llm_compiled.py runs it in a model.)
+    torch_path = {
+        "rms_norm": fo.rms_norm_torch,
+        "add_rms_norm": fo.add_rms_norm_torch,
+        "silu_mul": fo.silu_mul_torch,
+        "rope": fo.rope_torch,
+        "rope_write_kv": fo.rope_write_kv_torch,
+        "rope_write_kv_eager": fo.rope_write_kv_torch,
+    }
+    calls = dict.fromkeys(torch_path, 0)
+
+    def counted(name, op):
+        def call(*args):
+            calls[name] += 1
+            return op(*args)
+
+        return call
+
+    for name in torch_path:
+        monkeypatch.setattr(fo, name, counted(name, getattr(fo, name)))
     fused = tokens()
-    # The model reaches the ops through the module's attributes: point them at the torch path.
-    monkeypatch.setattr(fo, "rms_norm", fo.rms_norm_torch)
-    monkeypatch.setattr(fo, "add_rms_norm", fo.add_rms_norm_torch)
+    assert all(calls[n] > 0 for n in ("rms_norm", "add_rms_norm", "silu_mul", "rope_write_kv_eager")), calls
+    for name, op in torch_path.items():
+        monkeypatch.setattr(fo, name, op)
     plain = tokens()
     assert all(len(t) == 32 for t in fused)
     assert fused == plain

@@ -29,7 +29,7 @@ from torch import nn
 from kernels import fused_ops, quant_linear
 from kernels import paged_attention as cpu_attn
 from runtime.dtypes import cpu_has_native_bf16
-from runtime.llm.layers import attention_cpp, attention_triton
+from runtime.llm.layers import attention_cpp, attention_triton, rope, silu_mul
 
 
 @dataclass(slots=True)
@@ -305,25 +305,21 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = PackedLinear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
         self.down_proj = PackedLinear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
-    def _qkv(self, h: torch.Tensor, res: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, h: torch.Tensor, res: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """`h` is the previous layer's MLP output, not yet added to the residual stream `res`
         (None at the first layer, whose `h` is the embedding): the add and this layer's norm
-        are one op. Returns q, k, v and the residual stream."""
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        t = h.shape[0]
+        are one op. Returns the fused q, k, v projection (RoPE not applied) and the residual
+        stream."""
         if res is None:
             x, res = self.input_layernorm(h), h
         else:
             x, res = self.input_layernorm(h, res)
-        qkv = self.qkv_proj(x)
-        qk = _rope(qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)
-        return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd :].view(t, nkv, hd), res
+        return self.qkv_proj(x), res
 
     def _finish(self, res: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.o_proj(attn.reshape(res.shape[0], self.num_heads * self.head_dim))
         x, res = self.post_attention_layernorm(o, res)  # res + o, normed
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up), res  # the caller adds the two (fused into its norm)
+        return self.down_proj(silu_mul(self.gate_up_proj(x))), res  # the caller adds the two (in its norm)
 
     def forward(
         self,
@@ -336,7 +332,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream): the layer's output is their sum, which the next
         norm forms (see _qkv)."""
-        q, k, v, res = self._qkv(h, res, cos, sin)
+        qkv, res = self._qkv(h, res)
+        if meta.backend == "cpp":  # RoPE writes K/V to the cache in the same pass
+            return self._finish(res, attention_cpp(qkv, cos, sin, *kv, meta, self.num_heads, self.scale))
+        q, k, v = rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
         return self._finish(res, _attention(q, k, v, kv[0], kv[1], meta, self.scale))
 
     def forward_decode(
@@ -345,7 +344,8 @@ class DecoderLayer(nn.Module):
         """The decode-only step of one layer as a captured graph sees it: the K/V write and the
         attention are one registered op (runtime/llm/graph_ops.py) over the whole cache, so
         the graph does not break at attention. `step`: LlamaModel.forward_decode's tensors."""
-        q, k, v, res = self._qkv(h, res, cos, sin)
+        qkv, res = self._qkv(h, res)
+        q, k, v = rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
         kv_cache, slot_mapping, block_tables, context_lens, mask = step
         attn = torch.ops.tandem.decode_attention(
             q, k, v, kv_cache, self.layer_idx, slot_mapping, block_tables, context_lens, mask, self.scale
@@ -353,19 +353,9 @@ class DecoderLayer(nn.Module):
         return self._finish(res, attn)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Same products and sums as HF's q * cos + rotate_half(q) * sin, so the same bits; the
-    # tables are half width (HF's cos/sin repeat the same values in both halves).
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h], x[..., h:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 def _attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     if meta.backend == "triton":
         return attention_triton(q, k, v, k_cache, v_cache, meta, scale)
-    if meta.backend == "cpp":
-        return attention_cpp(q, k, v, k_cache, v_cache, meta, scale)
     cpu_attn.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     nd = meta.num_decodes
     if nd and not meta.prefills:
@@ -573,8 +563,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | None:
         """input_ids, positions [num_tokens]; returns float32 logits [len(sample_rows), vocab]
         (None when no row samples)."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, hd/2], shared by all layers
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        cos = self.cos.index_select(0, positions)  # [T, hd/2], shared by all layers
+        sin = self.sin.index_select(0, positions)
         h, res = self.embed_tokens(input_ids), None
         for layer, kv in zip(self.layers, kv_caches):
             h, res = layer(h, res, cos, sin, kv, meta)
@@ -606,8 +596,8 @@ class LlamaModel(nn.Module):
         context_lens [B] int32; mask [B, 1, 1, M * block_size] additive (the torch fallback's).
         No inference_mode here: a graph that writes an input in place cannot take inference
         tensors."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        cos = self.cos.index_select(0, positions)
+        sin = self.sin.index_select(0, positions)
         h, res = self.embed_tokens(input_ids), None
         step = (kv_cache, slot_mapping, block_tables, context_lens, mask)
         for layer in self.layers:
