@@ -129,13 +129,16 @@ def test_greedy_tokens_identical_with_and_without_speculation(tiny_llama_dir, sc
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_tokens_identical_and_accepted(smollm2_dir):
-    kw = dict(max_num_seqs=4, max_num_batched_tokens=512)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_smollm2_greedy_tokens_identical_and_accepted(smollm2_dir, scenario):
+    kw = SCENARIOS[scenario]
     _, base = _run(smollm2_dir, None, **kw)
     llm, spec = _run(smollm2_dir, SPEC, **kw)
     for i, (a, b) in enumerate(zip(base, spec)):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, f"prompt {i} differs with speculation"
     assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    if scenario == "preemption":
+        assert llm.engine.scheduler.table.num_preemptions > 0, "the tiny pool did not force a preemption"
 
 
 def test_stop_criteria_inside_an_accepted_run(tiny_llama_dir):
