@@ -178,12 +178,15 @@ def test_a_client_gone_mid_stream_cancels_its_request_in_the_engine(servers):
     body = {"prompt": "Hello", "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", engine.url + "/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
-        for line in resp.iter_lines():  # until the first token's chunk: the request runs in the engine
+        # Keep the line iterator referenced: a `for` loop over a temporary one drops it at `break`,
+        # and httpcore closes a stream whose iteration stops early, so the disconnect would come
+        # here, before the gauge is read (why that gauge read 0 in earlier runs of this test).
+        lines = resp.iter_lines()
+        for line in lines:  # until the first token's chunk: the request runs in the engine
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                 break
-        # The first token came: the request runs in the engine. (Its running gauge, read here
-        # through /metrics, stayed 0 for 60 s inside the full suite though the request streamed:
-        # an open finding of the 2026-12-05 stop; the abort counter below is what this test claims.)
+        wait_for(lambda: metric(engine.url, "num_requests_running") == 1, 60, "the engine to count the request")
+        assert metric(engine.url, "request_success_total", 'finished_reason="abort"') == aborted
     # The connection is closed: the server cancels, the engine aborts the request within a step.
     wait_for(
         lambda: metric(engine.url, "request_success_total", 'finished_reason="abort"') == aborted + 1,
