@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/tandem demo
 
-# The worker tests start their own redis-server, and the camera page's test drives a real
-# headless Chromium through its matching chromedriver: apt packages pip cannot put in .venv.
+# The worker tests start their own redis-server, the camera push test its own mosquitto (an MQTT
+# broker), and the camera page's test drives a real headless Chromium through its matching
+# chromedriver: apt packages pip cannot put in .venv.
 APT_NEEDS := $(if $(shell command -v redis-server),,redis-server) \
+	$(if $(shell command -v mosquitto),,mosquitto) \
 	$(if $(shell command -v chromium),,chromium) $(if $(shell command -v chromedriver),,chromium-driver)
 # Two pytest processes (pytest-xdist): alone, one left a core idle 40% of the time, its tests
 # mostly waiting on one Python thread or on a process they started. tests/conftest.py keeps each

@@ -120,6 +120,49 @@ def add_streams_arguments(p: argparse.ArgumentParser) -> None:
         default="32M",
         help="memory per camera for its last seconds of JPEGs, e.g. 32M (its time bound: clip_pre_s + 2 s)",
     )
+    w = p.add_argument_group("webhooks and MQTT (workers/camera_push.py)")
+    w.add_argument(
+        "--webhook",
+        action="append",
+        default=None,
+        metavar="[TYPE,...=]URL",
+        help="POST each line and zone event of every camera to URL (repeatable); TYPE,...= limits it to "
+        "those of line_cross, zone_enter, zone_exit (a camera's own: webhook= in its .streams line)",
+    )
+    w.add_argument(
+        "--webhook-secret",
+        default=None,
+        help="sign each POST: X-Tandem-Signature: sha256=HMAC-SHA256(secret, '<X-Tandem-Timestamp>.<body>') "
+        "(default $TANDEM_WEBHOOK_SECRET; none: unsigned)",
+    )
+    w.add_argument(
+        "--webhook-cooldown-s",
+        type=float,
+        default=0.0,
+        help="send a camera's events of one type and line or zone at most once per this many seconds "
+        "(0: every event; a camera's webhook_cooldown_s wins)",
+    )
+    w.add_argument("--webhook-timeout-s", type=float, default=5.0, help="one POST's deadline, connect to answer")
+    w.add_argument(
+        "--webhook-retry-s",
+        type=float,
+        default=30.0,
+        help="how long an event is retried after no connection, a timeout, 429 or 5xx (0: tried once)",
+    )
+    w.add_argument(
+        "--push-queue",
+        type=int,
+        default=256,
+        help="events each webhook and the broker may have waiting; past it the oldest is dropped, counted",
+    )
+    w.add_argument(
+        "--mqtt",
+        default=None,
+        metavar="HOST[:PORT]",
+        help="publish tandem/<camera>/events and retained tandem/<camera>/counts to this MQTT broker "
+        "(port 1883 by default; $TANDEM_MQTT_USERNAME, $TANDEM_MQTT_PASSWORD)",
+    )
+    w.add_argument("--mqtt-topic-prefix", default="tandem", help="the topics' first words (default: tandem)")
     g = p.add_argument_group("vision")
     g.add_argument(
         "--vision-model",
@@ -212,6 +255,34 @@ def security(args: argparse.Namespace, env=None) -> Security:
     return Security(keys, args.host, tuple((args.allowed_hosts or "").split(",")))
 
 
+def push_config(args: argparse.Namespace, env=None):
+    """Where events go (workers/camera_push.py PushConfig) from the flags over the environment.
+    A webhook a remote caller gives passes the guard cameras pass (private addresses as
+    --allow-private-urls and --allowed-url-networks say), with the http(s) schemes."""
+    from workers.camera_push import PushConfig
+    from workers.urlguard import DETECT_SCHEMES, UrlPolicy
+
+    env = os.environ if env is None else env
+    cams = url_policy(args, env)  # its private-address rules; its prefixes name stream URLs, not webhooks
+    remote = UrlPolicy(
+        schemes=DETECT_SCHEMES, any_host=True, allow_private=cams.allow_private, allowed_networks=cams.allowed_networks
+    )
+    secret = args.webhook_secret if args.webhook_secret is not None else env.get("TANDEM_WEBHOOK_SECRET") or None
+    return PushConfig(
+        webhook=tuple(args.webhook or ()),
+        webhook_secret=secret,
+        webhook_cooldown_s=args.webhook_cooldown_s,
+        webhook_timeout_s=args.webhook_timeout_s,
+        webhook_retry_s=args.webhook_retry_s,
+        push_queue=args.push_queue,
+        mqtt=args.mqtt,
+        mqtt_topic_prefix=args.mqtt_topic_prefix,
+        mqtt_username=env.get("TANDEM_MQTT_USERNAME") or None,
+        mqtt_password=env.get("TANDEM_MQTT_PASSWORD") or None,
+        remote_policy=remote,
+    )
+
+
 def service_config(args: argparse.Namespace):
     """The camera service's CameraServiceConfig from the flags; ValueError naming the flag."""
     from workers.camera_checks import CameraServiceConfig
@@ -235,10 +306,12 @@ def service_config(args: argparse.Namespace):
             url_policy=policy,
             batch_timeout_ms=args.batch_timeout_ms,
             clips=clips,
+            push=push_config(args),
         )
-    except ValueError as exc:  # "max_fps must be ...": each message starts with its field
+    except ValueError as exc:  # "max_fps must be ...", "webhook: ...": each message starts with its field
         field, _, rest = str(exc).partition(" ")
-        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+        flag = field.rstrip(":").replace("_", "-")
+        raise ValueError(f"--{flag}{':' if field.endswith(':') else ''} {rest}") from None
 
 
 def _classes(text: str | None) -> list[int] | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from sources.base import is_stream_url
 from sources.stream_reader import Dialled, StreamConfig
 from workers.camera_clips import ClipConfig
+from workers.camera_push import PushConfig, parse_webhooks
 from workers.urlguard import CAMERA_SCHEMES, UrlPolicy, check_url
 
 CAMERA_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -93,6 +94,10 @@ class CameraOptions:
     clips: bool | str | None = None
     clip_pre_s: float = 5.0  # seconds before the event (Frigate's pre_capture)
     clip_post_s: float = 5.0  # seconds after the last event of the clip (post_capture)
+    # This camera's own webhooks (workers/camera_push.py: text "[TYPE,...=]URL", objects or a
+    # list), besides the service's; webhook_cooldown_s None: the service's cooldown.
+    webhook: tuple = ()
+    webhook_cooldown_s: float | None = None
 
     def check(self) -> CameraOptions:
         if self.policy not in POLICIES:
@@ -119,7 +124,20 @@ class CameraOptions:
             if self.tracker not in TRACKERS:
                 message = f"tracker must be one of {', '.join(TRACKERS)} (unset: none), got {self.tracker!r}"
                 raise CameraError("tracker", message)
-        return self._check_clips()._check_analytics()
+        return self._check_clips()._check_analytics()._check_push()
+
+    def _check_push(self) -> CameraOptions:
+        try:
+            hooks = parse_webhooks(() if self.webhook is None else self.webhook)
+        except ValueError as exc:
+            raise CameraError("webhook", str(exc)) from None
+        if hooks and not (self.lines or self.zones):
+            raise CameraError("webhook", "webhooks carry line and zone events: add lines= or zones=")
+        cool = self.webhook_cooldown_s
+        if cool is not None and (not is_number(cool) or not 0 <= cool <= 86400):
+            message = f"webhook_cooldown_s must be a number in [0, 86400] s (unset: the service's), got {cool!r}"
+            raise CameraError("webhook_cooldown_s", message)
+        return replace(self, webhook=hooks, webhook_cooldown_s=None if cool is None else float(cool))
 
     def _check_clips(self) -> CameraOptions:
         clips = self.clips
@@ -163,6 +181,8 @@ OPTION_FIELDS = (
     "clips",
     "clip_pre_s",
     "clip_post_s",
+    "webhook",
+    "webhook_cooldown_s",
 )
 
 
@@ -183,7 +203,8 @@ class CameraServiceConfig:
     remotely added cameras (workers/urlguard.py; default: any public host). `batch_timeout_ms`:
     how long the muxer holds a group for the live cameras still to come (None: derived from
     their rates, see workers/cameras_mux.py; 0: no holding). `clips`: where event clips go and
-    their bounds (workers/camera_clips.py; None: no clips)."""
+    their bounds (workers/camera_clips.py; None: no clips). `push`: the webhooks and MQTT broker
+    line and zone events go to (workers/camera_push.py; None: only cameras' own webhooks)."""
 
     maxlen: int = 1000
     max_fps: float | None = None
@@ -197,6 +218,7 @@ class CameraServiceConfig:
     url_policy: UrlPolicy | None = None
     batch_timeout_ms: float | None = None
     clips: ClipConfig | None = None
+    push: PushConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("maxlen", "max_in_flight", "max_cameras"):

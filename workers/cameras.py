@@ -40,6 +40,8 @@ the last detected frame's). A camera with lines or zones (runtime/vision/analyti
 {"type": "zone_enter", "zone", ...}, {"type": "zone_exit", ..., "dwell_s", "lost"}], and its
 row the running "counts" and "last_events". With clips (config.clips, workers/camera_clips.py)
 a crossing or an entry also has "clip": the MP4 from clip_pre_s before it to clip_post_s after.
+With webhooks or MQTT (config.push, a camera's webhook=; workers/camera_push.py) each event is
+also pushed there, and the row's "push" counts what each sink sent, failed, dropped and held back.
 
 `frame` is the decoder's frame number since the camera's last (re)connect, `seq` counts the
 frames this service sent to the detector for the camera, the times are Unix seconds. A
@@ -80,6 +82,7 @@ from workers.camera_checks import (  # noqa: F401 - re-exported: workers.cameras
     redact,
 )
 from workers.camera_clips import ClipWriter
+from workers.camera_push import Pusher
 from workers.cameras_control import CONTROL_KEY, Control  # noqa: F401 - CONTROL_KEY: re-exported
 from workers.cameras_mux import Muxer
 from workers.cameras_publish import STREAM_KEY, Publisher  # noqa: F401 - STREAM_KEY: re-exported
@@ -130,6 +133,7 @@ class CameraService:
         self.muxer = Muxer(runtime, self.publisher.queue, config.max_in_flight, config.batch_timeout_s)
         self.control = Control(self, redis_client, self.instance)
         self.clips = None if config.clips is None else ClipWriter(config.clips)
+        self.pusher = Pusher(config.push, self.instance)
         loops = [("dispatch", self.muxer.run), ("publish", self.publisher.run)]
         if self.clips is not None:
             loops.append(("clips", self.clips.run))
@@ -167,6 +171,8 @@ class CameraService:
         clips: bool | str | None = None,
         clip_pre_s: float = 5.0,
         clip_post_s: float = 5.0,
+        webhook=None,
+        webhook_cooldown_s: float | None = None,
     ) -> dict:
         """Start reading a camera; its row. Only network stream URLs unless `allow_local` (a
         `.streams` file's local videos and webcams). CameraError names the bad field.
@@ -179,7 +185,10 @@ class CameraService:
         lists, runtime/vision/analytics.py; they need a tracker) add crossing and zone events
         to the records and their counts to the row. With the service's clips, such a camera
         records a clip around its events (`clips` "off": not this one), from `clip_pre_s`
-        before to `clip_post_s` after (workers/camera_clips.py)."""
+        before to `clip_post_s` after (workers/camera_clips.py). Its events go to the
+        service's webhooks and MQTT broker, and to its own `webhook`s (text "[TYPE,...=]URL",
+        objects or a list; a remote caller's pass the URL guard), each event type and line or
+        zone at most once per `webhook_cooldown_s` (None: the service's; workers/camera_push.py)."""
         check_camera_id(camera_id)
         options = CameraOptions(
             policy,
@@ -192,6 +201,8 @@ class CameraService:
             clips,
             clip_pre_s,
             clip_post_s,
+            webhook or (),
+            webhook_cooldown_s,
         )
         options = options.check()
         want_clips = options.clips is not False and bool(options.lines or options.zones)
@@ -209,6 +220,11 @@ class CameraService:
                 check_url(url, self.url_policy)  # now, so the caller hears it; the reader checks again
             except ValueError as exc:
                 raise CameraError("url", redact(str(exc))) from None
+        for hook in () if allow_local else options.webhook:  # a remote caller's: now, and at each delivery
+            try:
+                check_url(hook.url, self.pusher.policy(remote=True))
+            except ValueError as exc:
+                raise CameraError("webhook", f"webhook: {redact(str(exc))}") from None
         cap = check_max_fps(max_fps)
         cap = self.config.max_fps if cap is None else cap
         mux = self.muxer
@@ -238,6 +254,9 @@ class CameraService:
                 cam.analytics = CameraAnalytics(options.lines, options.zones)
             if want_clips and self.clips is not None:
                 cam.clips = self.clips.camera(camera_id, options.clip_pre_s, options.clip_post_s)
+            if cam.analytics is not None:
+                remote, cool = not allow_local, options.webhook_cooldown_s
+                cam.push = self.pusher.camera(camera_id, options.webhook, remote=remote, cooldown_s=cool)
             down = partial(mux.camera_down, cam)
             dial = None if allow_local else partial(dial_camera, self.url_policy)  # a .streams file is the operator's
             buffer = options.queue if options.policy == "every_frame" else 0
@@ -262,6 +281,7 @@ class CameraService:
                 raise CameraNotFound("camera", f"no camera {camera_id!r} (GET /cameras lists them)")
             row = cam.row(time.monotonic())
         cam.reader.close(join_s=0.0)  # a blocked read ends at its timeout; the thread is a daemon
+        self.pusher.release(cam.push)  # its own webhooks' sinks, if no other camera uses them
         log.info("camera %s removed", camera_id)
         return row
 
@@ -291,6 +311,7 @@ class CameraService:
             "cameras": self.cameras(),
             "service": counts,
             "batching": batching,
+            "push": self.pusher.stats(),
             "metrics": metrics,
         }
 
@@ -319,6 +340,7 @@ class CameraService:
             self.clips.close()
         for t in self._threads:
             t.join(max(0.1, deadline - time.monotonic()))
+        self.pusher.close(min(2.0, max(0.1, deadline - time.monotonic())))  # after the publisher's last events
         for cam in cams:
             cam.reader.join(max(0.0, deadline - time.monotonic()))
         self.publisher.withdraw()

@@ -124,6 +124,8 @@ class Publisher:
                 if cam.clips is not None:  # "clip": its path, known now (workers/camera_clips.py)
                     cam.clips.on_events(events, frame.timestamp)
                 cam.events = (*cam.events, *events)[-LAST_EVENTS:]  # one swap: the row reads it whole
+                if cam.push is not None:  # webhooks and MQTT: queued, never waited on (camera_push.py)
+                    cam.push.on_events(events, cam.analytics.counts)
         record = _record(
             cam.camera_id,
             cam.public_url,

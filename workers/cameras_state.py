@@ -39,6 +39,7 @@ class Camera:
     tracker: Any = None  # a Tracker (runtime/vision/tracking.py), or None; the publisher's
     analytics: Any = None  # a CameraAnalytics (runtime/vision/analytics.py), or None; the publisher's
     clips: Any = None  # its CameraClips (workers/camera_clips.py), or None
+    push: Any = None  # its CameraPush (workers/camera_push.py), or None; the publisher's
     events: tuple = ()  # the newest LAST_EVENTS events, swapped whole by the publisher
     next_due: float = 0.0
     in_flight: int = 0
@@ -140,6 +141,9 @@ class Camera:
             "last_events": list(self.events),
             # Its clip ring and clips (workers/camera_clips.py CameraClips.stats; None: no clips).
             "clips": None if self.clips is None else self.clips.stats(),
+            "webhooks": [w.to_dict() for w in o.webhook],
+            # Per sink: {"sent", "failed", "dropped", "suppressed"} (workers/camera_push.py; None: no push).
+            "push": None if self.push is None else self.push.stats(),
             "carried_over": self.carried,
             "latency_ms_p50": _percentile(latencies, 0.5),
             "latency_ms_p99": _percentile(latencies, 0.99),

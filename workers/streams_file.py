@@ -6,8 +6,8 @@
 
 A line is `SOURCE [key=value ...]` (sources/streams.py read_streams_lines; the third line above is cam2); the keys are id
 and CameraService.add's options (workers/cameras.py OPTION_FIELDS), lines= and zones= parsed here
-(runtime/vision/analytics.py), plus analytics=FILE: a JSON file of lines and zones, relative to
-this file's folder, watched with it (an edit reloads the camera). A line without id= is
+(runtime/vision/analytics.py), webhook= too (workers/camera_push.py), plus analytics=FILE: a
+JSON file of lines and zones, relative to this file's folder, watched with it (an edit reloads the camera). A line without id= is
 camN, N its place among the camera lines; on a reload a camera whose source is unchanged keeps
 the id it had, so moving a line does not rename its camera (and its Redis stream).
 
@@ -30,11 +30,12 @@ from sources.streams import read_streams_lines
 
 log = logging.getLogger("tandem.cameras")
 
-FLOAT_OPTIONS = ("max_fps", "max_staleness_ms", "motion_threshold", "clip_pre_s", "clip_post_s")
+FLOAT_OPTIONS = ("max_fps", "max_staleness_ms", "motion_threshold", "clip_pre_s", "clip_post_s", "webhook_cooldown_s")
 INT_OPTIONS = ("queue",)
 TEXT_OPTIONS = ("policy", "tracker", "clips")  # clips=on|off: CameraOptions checks it
 SHAPE_OPTIONS = ("lines", "zones")  # parsed here, so a bad one refuses the file naming its line
-KEYS = ("id", *FLOAT_OPTIONS, *INT_OPTIONS, *TEXT_OPTIONS, *SHAPE_OPTIONS, "analytics")
+PUSH_OPTIONS = ("webhook",)  # "[TYPE,...=]URL" (workers/camera_push.py), parsed here likewise
+KEYS = ("id", *FLOAT_OPTIONS, *INT_OPTIONS, *TEXT_OPTIONS, *SHAPE_OPTIONS, *PUSH_OPTIONS, "analytics")
 
 
 @dataclass(slots=True)
@@ -72,6 +73,13 @@ def _typed(path: str, lineno: int, key: str, text: str) -> object:
 
         try:
             return (parse_lines if key == "lines" else parse_zones)(text)
+        except ValueError as exc:  # names the option
+            raise SourceError(f"{path} line {lineno}: {exc}") from None
+    if key in PUSH_OPTIONS:
+        from workers.camera_push import parse_webhooks
+
+        try:
+            return parse_webhooks(text, key)
         except ValueError as exc:  # names the option
             raise SourceError(f"{path} line {lineno}: {exc}") from None
     return text
