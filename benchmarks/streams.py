@@ -3,6 +3,7 @@
     tandem bench streams                       # N = 1, 2, 3, 4, 6, 8, 12, 16 cameras at 5 fps
     tandem bench streams --fps 15 --cameras 1,2,4,8 --bound-ms 250
     tandem bench streams --tiny                # seconds: 1 and 2 cameras (the test runs this)
+    tandem bench streams --analytics           # every camera tracked, with a line, a zone and clips
 
 For each N, `python -m sources.loopback --cameras N --stamp` serves N generated cameras in a
 process of its own, and N rises until a contestant's frame-to-result p99 passes the bound or
@@ -21,6 +22,12 @@ and a frame's latency is the time its result reaches the bench (Tandem: the reco
 the peer: `predict` yields it) minus that send time. The number is read from the pixels the
 detector got (Tandem: the frame as submitted to the Runtime; the peer: `Results.orig_img`).
 A frame sent in the measured window that never gets a result is a drop.
+
+`--analytics` gives every Tandem camera what issue 32 adds (ANALYTICS): a ByteTrack tracker, a
+line across the middle, a zone over the left half and event clips (5 s before, 5 s after) to
+OUT/work/clips_N; the scene's shapes cross both all the time, so clips are recorded without
+pause, the busy door's worst case. Run it with and without, and compare the two max_cameras.
+The peer runs no analytics either way: it is left out (--no-peer) of that comparison.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -39,6 +47,14 @@ from benchmarks.common import PEERS
 PEER_PYTHON = str(PEERS / "yolo" / "bin" / "python")
 REPO = Path(__file__).resolve().parents[1]
 LOOP_FRAMES = 256  # the scene's loop = the stamp's period: 51 s at 5 fps, far above any latency
+# --analytics, on every camera: the scene's shapes bounce over the whole image, so they cross
+# the middle line and the left-half zone's edge every few seconds.
+ANALYTICS = {
+    "tracker": "bytetrack",
+    "lines": "middle:0,0.5,1,0.5",
+    "zones": "left:0.02,0.02,0.5,0.02,0.5,0.98,0.02,0.98",
+    "clips": True,
+}
 
 
 def add_bench_streams_arguments(p) -> None:
@@ -54,6 +70,11 @@ def add_bench_streams_arguments(p) -> None:
     p.add_argument("--peer-python", default=PEER_PYTHON, help="the Ultralytics side environment's Python")
     p.add_argument("--no-peer", action="store_true", help="Tandem only")
     p.add_argument("--tiny", action="store_true", help="a few seconds: 1 and 2 cameras (for the test)")
+    p.add_argument(
+        "--analytics",
+        action="store_true",
+        help="every Tandem camera tracked, with a line, a zone and event clips (compare with a run without)",
+    )
     p.add_argument("--out", default="bench_out/streams")
 
 
@@ -176,6 +197,7 @@ class _Records:
 
     def __init__(self, stamped: _StampedRuntime) -> None:
         self.stamped, self.results, self.first = stamped, [], None
+        self.events = 0  # line crossings and zone entries and exits (--analytics)
         self.cond = threading.Condition()
 
     def write(self, text: str) -> None:
@@ -184,6 +206,7 @@ class _Records:
             r = json.loads(line)
             if r.get("frame") is None or r.get("error"):
                 continue
+            self.events += len(r.get("events") or ())
             s = self.stamped.stamps.pop((r["source"], r["frame"]), None)
             if s is None:
                 continue
@@ -202,21 +225,36 @@ def run_tandem(runtime, n: int, args, workdir: Path) -> dict:
     cams = Cameras(n, args.fps, workdir)
     stamped = _StampedRuntime(runtime)
     records = _Records(stamped)
+    clips_dir = workdir / f"clips_{n}"
+    analytics = ANALYTICS if args.analytics else {}
+    clips = None
+    if args.analytics:
+        from workers.camera_clips import ClipConfig
+
+        shutil.rmtree(clips_dir, ignore_errors=True)  # a previous run's clips are not this one's
+        clips = ClipConfig(str(clips_dir))
     try:
-        service = CameraService(stamped, None, jsonl=records, control=False)
+        service = CameraService(stamped, None, jsonl=records, control=False, clips=clips)
         try:
             for k, url in enumerate(cams.urls):
-                service.add(f"cam{k}", url, allow_local=True)  # loopback: the operator's own cameras
+                service.add(f"cam{k}", url, allow_local=True, **analytics)  # loopback: the operator's own cameras
             with records.cond:
                 if not records.cond.wait_for(lambda: records.first is not None, timeout=60):
                     raise RuntimeError("no Tandem record within 60 s")
             a, b = _window(records.first, args)
             time.sleep(max(0.0, b + _grace_s(args) - time.time()))  # the cameras run for the window
+            clip_stats = [r["clips"] for r in service.cameras() if r.get("clips")]
         finally:
             service.close()
     finally:
         cams.close()
-    return {"cameras": n, **score(cams.sends(), list(records.results), a, b)}
+    row = {"cameras": n, **score(cams.sends(), list(records.results), a, b)}
+    if args.analytics:  # what the analytics did, so a run with them is seen to have done the work
+        files = sorted(clips_dir.glob("*.mp4"))
+        row.update(events=records.events, clips=len(files), clip_bytes=sum(f.stat().st_size for f in files))
+        # Did the writer keep up? Frames that left the ring unwritten, clips dropped or failed.
+        row.update({f"clip_{k}": sum(c[k] for c in clip_stats) for k in ("frames_missed", "dropped", "failed")})
+    return row
 
 
 # ---------------------------------------------------------------- the peer (runs in its side environment)
@@ -331,6 +369,11 @@ def sweep(name: str, measure, counts: list[int], args) -> dict:
         bar.write(
             f"{name:8} N={n:3}  p50 {row['latency_ms_p50']} ms  p99 {row['latency_ms_p99']} ms  "
             f"drops {row['drop_fraction']}  results/s {row['results_per_s']}  {'ok' if row['passed'] else 'FAIL'}"
+            + (
+                f"  events {row['events']}  clips {row['clips']} (frames missed {row['clip_frames_missed']})"
+                if "events" in row
+                else ""
+            )
         )
         if not row["passed"]:
             break
@@ -354,7 +397,7 @@ def run_bench(args) -> int:
     print(f"load average before: {os.getloadavg()}", flush=True)
     print(
         f"cameras {counts} at {args.fps} fps, imgsz {args.imgsz}, bound p99 <= {args.bound_ms} ms, "
-        f"drops <= {args.max_drop:.1%}",
+        f"drops <= {args.max_drop:.1%}" + (f", Tandem with analytics {ANALYTICS}" if args.analytics else ""),
         flush=True,
     )
     report: dict = {
@@ -371,6 +414,7 @@ def run_bench(args) -> int:
             "duration_s": args.duration_s,
             "imgsz": args.imgsz,
             "tiny": args.tiny,
+            "analytics": ANALYTICS if args.analytics else None,
         },
         "method": "frame number and camera stamped in the pixels; latency = result arrival (Unix time) "
         "minus the camera process's logged send time of that frame; a frame sent in the window "
@@ -424,7 +468,8 @@ def _plot(report: dict, args, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("tandem", "Tandem"), ("peer", "Ultralytics + ONNX Runtime")):
+    tandem = "Tandem, line + zone + clips" if args.analytics else "Tandem"
+    for key, label in (("tandem", tandem), ("peer", "Ultralytics + ONNX Runtime")):
         rows = report[key].get("rows") or []
         if rows:
             xs = [r["cameras"] for r in rows]

@@ -9,9 +9,15 @@ key it does not start, unless --no-auth on a loopback --host. A Host header nami
 body that is not Content-Type application/json with 415: so a web page the user opens can
 neither post to the service nor reach it through DNS rebinding.
 
-    GET    /                    the page: every camera's live view, health, fps, drops, latency
+    GET    /                    the page: every camera's live view, health, fps, drops, latency,
+                                counts, and last events with their clips in a player
     GET    /cameras             {"cameras": [row, ...]}
-    GET    /cameras/{id}/view   annotated MJPEG (multipart/x-mixed-replace) at most --view-fps
+    GET    /cameras/{id}/view   annotated MJPEG (multipart/x-mixed-replace) at most --view-fps:
+                                boxes, lines and zones with their counts
+    GET    /clips/{name}        an event clip (video/mp4, Range requests answered) from --clips-dir:
+                                a clip's own file name only, no symlink; 404 otherwise
+    GET    /clips/{name}/play   the same clip replayed as MJPEG at its frame rate (browsers decode
+                                no mp4v), within the views' bound
     POST   /cameras             {"camera": id, "url": stream URL, "max_fps"?, "policy"?, "queue"?,
                                  "max_staleness_ms"?, "motion_threshold"?, "tracker"?, "lines"?,
                                  "zones"?} -> 201 {"camera": row}
@@ -134,6 +140,39 @@ def create_app(service, security: Security | None = None, stop: threading.Event 
             return _error(429, f"{viewers.limit} views are open already", "camera", "rate_limit_error")
         return StreamingResponse(
             views.mjpeg(service, camera_id, fps, stop, viewers),
+            media_type=f"multipart/x-mixed-replace; boundary={views.BOUNDARY}",
+            headers={"Cache-Control": "no-store"},
+        )
+
+    def clip_path(name: str):
+        """The clip's file, or the 404 to answer."""
+        clips = getattr(service, "clips", None)  # the service's ClipWriter; None: no --clips-dir
+        if clips is None:
+            return None, _error(404, "this service keeps no clips (start tandem streams with --clips-dir)", "name")
+        path = views.clip_file(clips.clips_dir, name)
+        if path is None:
+            return None, _error(404, f"no clip {name[:100]!r} (the events in GET /cameras name them)", "name")
+        return path, None
+
+    @app.get("/clips/{name}")
+    def clip(name: str):
+        from fastapi.responses import FileResponse
+
+        path, refused = clip_path(name)
+        if refused is not None:
+            return refused
+        # nosniff: the browser takes it as the MP4 it is, never as a page of this origin.
+        return FileResponse(path, media_type="video/mp4", headers={"X-Content-Type-Options": "nosniff"})
+
+    @app.get("/clips/{name}/play")
+    def play_clip(name: str):
+        path, refused = clip_path(name)
+        if refused is not None:
+            return refused
+        if not viewers.acquire():
+            return _error(429, f"{viewers.limit} views are open already", "name", "rate_limit_error")
+        return StreamingResponse(
+            views.replay(path, stop, viewers),
             media_type=f"multipart/x-mixed-replace; boundary={views.BOUNDARY}",
             headers={"Cache-Control": "no-store"},
         )

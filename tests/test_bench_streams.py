@@ -61,3 +61,27 @@ def test_tiny_bench_reports_both_sides_and_plots(tmp_path, capsys):
     else:
         assert "no side environment" in peer["skipped"] and report["ratio"] is None
     assert (out / "streams.png").stat().st_size > 1000
+
+
+def test_analytics_gives_every_camera_a_line_a_zone_and_clips(tmp_path):
+    # One camera, a short window: what --analytics turns on is seen to work (events in the
+    # records, clips on disk that OpenCV reads back); the cost is the lead's full run to measure.
+    import argparse
+
+    import cv2
+
+    from benchmarks.streams import run_tandem
+    from runtime.runtime import Runtime
+    from runtime.vision.detector import WEIGHTS
+
+    args = argparse.Namespace(fps=5.0, warmup_s=0.5, duration_s=2.0, bound_ms=250.0, analytics=True)
+    with Runtime(vision={"model": str(WEIGHTS), "imgsz": 320, "device": "cpu"}) as runtime:
+        row = run_tandem(runtime, 1, args, tmp_path)
+    assert row["results"] > 0, "Tandem must run, not skip"
+    assert row["events"] >= 1, "the scene's shapes cross the line or enter the zone"
+    assert row["clips"] >= 1 and row["clip_bytes"] > 0, row
+    clip = next((tmp_path / "clips_1").glob("*.mp4"))
+    cap = cv2.VideoCapture(str(clip))
+    ok, image = cap.read()
+    cap.release()
+    assert ok and image.shape[:2] == (240, 320), "a clip of the camera's frames"

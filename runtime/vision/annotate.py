@@ -1,7 +1,9 @@
-"""Drawing detections and writing annotated images and videos for `tandem detect --save`."""
+"""Drawing detections and writing annotated images and videos for `tandem detect --save`; drawing a
+camera's lines and zones (runtime/vision/analytics.py) over its live view (workers/cameras_views.py)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import cv2
@@ -39,6 +41,66 @@ def draw(image: np.ndarray, det: Detections) -> np.ndarray:
             cv2.LINE_AA,
         )
     return out
+
+
+LINE_COLOR = (0, 215, 255)  # amber (BGR): far from the class colours' usual greys and the scenes'
+ZONE_COLOR = (255, 128, 0)  # blue
+ZONE_ALPHA = 0.25  # the fill: the objects inside stay visible
+
+
+def draw_analytics(out: np.ndarray, lines=(), zones=(), counts: dict | None = None) -> np.ndarray:
+    """Draw lines and zones (LineSpec, ZoneSpec: fractions of the image) on `out`, in place, with
+    their running counts (CameraAnalytics.counts; None: names only). A line gets an arrow to
+    its "in" side; a zone a translucent fill, its outline and its occupancy."""
+    h, w = out.shape[:2]
+    t = max(1, round(sum(out.shape[:2]) / 600))
+    counts = counts or {}
+    for zone in zones:
+        pts = _pixels(zone.points, w, h)
+        x0, y0 = pts.min(axis=0)
+        x1, y1 = pts.max(axis=0) + 1
+        roi = out[y0:y1, x0:x1]  # blend the polygon's box only: the rest of the frame is not copied
+        fill = roi.copy()
+        cv2.fillPoly(fill, [pts - (x0, y0)], ZONE_COLOR, cv2.LINE_AA)
+        out[y0:y1, x0:x1] = cv2.addWeighted(fill, ZONE_ALPHA, roi, 1 - ZONE_ALPHA, 0)
+        cv2.polylines(out, [pts], True, ZONE_COLOR, t + 1, cv2.LINE_AA)
+        n = counts.get("zones", {}).get(zone.name)
+        top = tuple(int(v) for v in pts[pts[:, 1].argmin()])
+        _label(out, zone.name if n is None else f"{zone.name}: {n['occupancy']} in zone", top, ZONE_COLOR, t)
+    for line in lines:
+        a, b = (tuple(int(v) for v in p) for p in _pixels((line.a, line.b), w, h))
+        cv2.line(out, a, b, LINE_COLOR, t + 1, cv2.LINE_AA)
+        # "in" is the side on the right walking from a to b (analytics.side_of); x and y scale by
+        # positive factors, so the pixels' normal points to the same side.
+        dx, dy = b[0] - a[0], b[1] - a[1]
+        norm = math.hypot(dx, dy) or 1.0
+        size = max(12.0, 0.06 * min(w, h))
+        mid = ((a[0] + b[0]) // 2, (a[1] + b[1]) // 2)
+        tip = (round(mid[0] - dy / norm * size), round(mid[1] + dx / norm * size))
+        cv2.arrowedLine(out, mid, tip, LINE_COLOR, t, cv2.LINE_AA, tipLength=0.35)
+        past = size + 16 * t  # the label just past the tip, clear of the arrow whichever way it points
+        _label(out, "in", (round(mid[0] - dy / norm * past), round(mid[1] + dx / norm * past)), LINE_COLOR, t)
+        n = counts.get("lines", {}).get(line.name)
+        _label(out, line.name if n is None else f"{line.name}: in {n['in']} out {n['out']}", a, LINE_COLOR, t)
+    return out
+
+
+def _pixels(points, w: int, h: int) -> np.ndarray:
+    xy = np.asarray(points, dtype=np.float64) * (w, h)
+    return np.clip(np.round(xy), 0, (w - 1, h - 1)).astype(np.int32)
+
+
+def _label(out: np.ndarray, text: str, at: tuple[int, int], color, t: int) -> None:
+    """`text` on a dark box just above `at` (below it at the image's top edge), kept inside the
+    image: the box never covers the line or edge it names."""
+    scale, weight = t / 3, max(1, t - 1)
+    (tw, th), base = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, scale, weight)
+    h, w = out.shape[:2]
+    x = min(max(2, at[0] + 3), max(2, w - tw - 4))
+    y = at[1] - base - 3 - t if at[1] - base - th - 5 - t >= 0 else at[1] + th + 5 + t
+    y = min(y, h - base - 1)
+    cv2.rectangle(out, (x - 2, y - th - 2), (x + tw + 2, y + base), (0, 0, 0), -1)
+    cv2.putText(out, text, (x, y), cv2.FONT_HERSHEY_SIMPLEX, scale, color, weight, cv2.LINE_AA)
 
 
 def numbered_dir(directory: str) -> str:
