@@ -192,17 +192,23 @@ class Runtime:
         deadline_s: float | None = None,
         request_id: str | None = None,
         num_resumed_outputs: int = 0,
+        *,
+        tenant: str = "",
+        tier: str = "interactive",
     ) -> GenerationHandle:
         """Queue a generation: a prompt (text or token ids) or chat messages. Bad input raises
         ValueError here, naming the field. Iterate the handle for streamed outputs; its
         `result()` gives the final RequestOutput. `num_resumed_outputs` (a resumed job): the
         prompt's last n token ids are the request's earlier outputs, `sampling_params` the
-        original ones, and the outputs hold only what is new (LLMEngine's docstring)."""
+        original ones, and the outputs hold only what is new (LLMEngine's docstring). `tenant`
+        and `tier`: the scheduler's fair shares (LLMEngine.prepare)."""
         engine = self._require("llm")
         prompt = (
             engine.apply_chat_template(prompt_or_messages) if _is_messages(prompt_or_messages) else prompt_or_messages
         )
-        prepared = engine.prepare(prompt, sampling_params, request_id, priority, deadline_s, num_resumed_outputs)
+        prepared = engine.prepare(
+            prompt, sampling_params, request_id, priority, deadline_s, num_resumed_outputs, tenant=tenant, tier=tier
+        )
         rid = prepared.request_id
         handle = GenerationHandle(rid, self._cancel_generate)
         with self._cond:

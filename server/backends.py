@@ -55,6 +55,7 @@ class JobStream:
         self.deadline = deadline  # time.monotonic() past which a lost Redis is not waited for
         self.owner = owner
         self.final: JobEvent | None = None
+        self._usage: dict | None = None
 
     async def events(self) -> AsyncIterator[JobEvent]:
         async for _, event in self.backend.read_events(self.id, "0-0", owner=self.owner, deadline=self.deadline):
@@ -79,14 +80,21 @@ class JobStream:
             event.field, event.code = str(detail["field"]), str(detail.get("code") or "invalid")
 
     async def usage(self) -> dict:
+        """The final result's usage, read once (the route reads it for the answer and for its
+        tenant's count)."""
         from redis.exceptions import RedisError
 
+        if self._usage is not None:
+            return self._usage
         try:
             result = await self.backend.result(self.id, owner=self.owner)
         except (RedisError, OSError) as exc:  # Redis gone past reconnect_s: the tokens were all sent
             log.warning("job %s: no usage for its last chunk, Redis unreachable: %s", self.id, exc)
             return {}
-        return (result or {}).get("usage") or {}
+        use = (result or {}).get("usage") or {}
+        if use:
+            self._usage = use
+        return use
 
     async def cancel(self) -> None:
         await self.backend.cancel(self.id, owner=self.owner)
@@ -204,6 +212,7 @@ class JobsBackend:
         as resolve_model sets it; None: the plain `llm` queue, which any LLM worker takes).
         `owner` (contract G, server.common.owner_of): the job is readable, streamable and
         cancellable through /v1/jobs by that owner only."""
+        from workers.jobspec import queue_priority
         from workers.settings import model_queue
 
         queue = model_queue(gen.model) if gen.model else "llm"
@@ -218,7 +227,7 @@ class JobsBackend:
             "tandem.generate",
             kwargs,
             queue=queue,
-            priority=kwargs.get("priority", 0),
+            priority=queue_priority(kwargs.get("priority", 0), kwargs.get("tier", "interactive")),
             max_tokens=max_tokens if isinstance(max_tokens, int) else 0,
             owner=owner,
         )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import json
 import logging
 import re
@@ -17,7 +16,9 @@ from typing import Any
 
 from fastapi import Request
 
+from server.admission import TenantAdmission
 from server.protocol import APIError, Generation
+from server.tenants import DEFAULT_TENANT, Tenant, TenantTable
 
 log = logging.getLogger("tandem.serve")
 DISCONNECT_POLL_S = 0.25
@@ -31,6 +32,9 @@ class ServeConfig:
     # When set, every endpoint but /health wants "Authorization: Bearer <api_key>" (vLLM's --api-key);
     # several keys, separated by commas, give several clients each their own jobs.
     api_key: str | None = None
+    # Tenants (--tenants FILE, server/tenants.py): each one's keys, weight and limits. Their keys
+    # are accepted too; a key of api_key not named here is a tenant of its own.
+    tenants: tuple[Tenant, ...] = ()
     # A stream with nothing to send sends an SSE comment this often, so that proxies and clients
     # with read timeouts do not take a long prompt's wait (or a queued job) for a dead server.
     keepalive_s: float = 10.0
@@ -48,6 +52,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
+        if not isinstance(self.tenants, tuple) or not all(isinstance(t, Tenant) for t in self.tenants):
+            raise ValueError(f"tenants must be a tuple of server.tenants.Tenant, got {self.tenants!r}")
 
 
 # An answer before the whole body was read closes the connection: uvicorn would otherwise go on
@@ -63,10 +69,17 @@ class ServerContext:
     """One per app (`app.state.tandem`): the backend, the settings, and the tasks started to
     cancel the work of requests that went away (awaited when the app stops)."""
 
-    def __init__(self, backend, config: ServeConfig) -> None:
+    def __init__(self, backend, config: ServeConfig, clock=time.monotonic) -> None:
         self.backend = backend
         self.config = config
         self.background: set[asyncio.Task] = set()
+        self.tenants = TenantTable.build(config.tenants, api_keys(config))
+        self.admission = TenantAdmission(self.tenants.tenants, clock)
+
+    async def payloads(self) -> list[dict]:
+        """What /metrics renders: the backend's payloads, and this server's tenants'."""
+        tenants = {"instance": "server", "kind": "tenants", "tenants": self.admission.payload()}
+        return [*await self.backend.payloads(), tenants]
 
     def later(self, coro: Awaitable) -> None:
         task = asyncio.ensure_future(coro)
@@ -143,7 +156,7 @@ def lone_surrogate(obj: Any) -> str | None:
 def owner_of(request: Request) -> str | None:
     """Contract G's job owner: a hash of the caller's API key (None when the server has none),
     so that one key's jobs are invisible to another. The key has passed require_api_key."""
-    if context(request).config.api_key is None:
+    if not context(request).tenants.keyed:
         return None
     given = request.headers.get("authorization", "").partition(" ")[2].strip()
     return hashlib.sha256(b"tandem-owner:" + given.encode()).hexdigest()[:32]
@@ -253,20 +266,41 @@ def api_keys(config: ServeConfig) -> tuple[str, ...]:
 
 
 def require_api_key(request: Request) -> None:
-    """The API key check, a dependency of every router but /health's. Compared in constant
-    time (hmac.compare_digest), so the answer's timing says nothing of how much of a guess
-    was right; a missing or wrong key is 401 in OpenAI's shape, with the same message."""
-    keys = api_keys(context(request).config)
-    if not keys:
+    """The API key check, a dependency of every router but /health's, which also names the
+    request's tenant (request.state.tenant, server/tenants.py: the key's). Compared in constant
+    time (hmac.compare_digest), so the answer's timing says nothing of how much of a guess was
+    right; a missing or wrong key is 401 in OpenAI's shape, with the same message."""
+    table = context(request).tenants
+    if not table.keyed:
+        request.state.tenant = DEFAULT_TENANT
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    presented = given.strip().encode()
-    # Every key is compared (no early exit), so the timing does not say which key came close.
-    matched = [hmac.compare_digest(presented, k.encode()) for k in keys]
-    if scheme.lower() != "bearer" or not any(matched):
+    tenant = table.tenant_of(given.strip())
+    if scheme.lower() != "bearer" or tenant is None:
         raise APIError(
             401,
             "missing or invalid API key: send 'Authorization: Bearer <key>'",
             type_="invalid_request_error",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    request.state.tenant = tenant.name
+
+
+def tenant_of(request: Request) -> str:
+    """The request's tenant, as require_api_key named it."""
+    return getattr(request.state, "tenant", None) or DEFAULT_TENANT
+
+
+def claimed_tenant(request: Request, claimed: object, field: str = "tenant") -> str:
+    """The request's tenant, checked against a `tenant` field it sent: the tenant comes from the
+    API key, so a field naming another tenant is refused (400 naming it), never obeyed nor
+    dropped; naming its own tenant is allowed."""
+    tenant = tenant_of(request)
+    if claimed is not None and claimed != tenant:
+        who = "your API key's" if context(request).tenants.keyed else "anonymous traffic's (this server has no keys)"
+        raise APIError(
+            400,
+            f"{field} must be absent or {tenant!r} ({who} tenant): a request cannot name another tenant",
+            field,
+        )
+    return tenant

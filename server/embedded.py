@@ -20,6 +20,7 @@ from server.backends import fleet_health
 from server.protocol import APIError, Generation
 from workers.choices import ChoiceState, OutputEvents
 from workers.events import CANCELLED, DONE, FAILED, TOKEN, JobEvent
+from workers.jobspec import check_tenancy, tenancy_kwargs
 from workers.tool_stream import TOOL_FIELDS, ToolJob, ToolStream
 
 
@@ -93,9 +94,9 @@ class GenerationEvents:
 
 
 def start_generation(rt, job: dict, deadline_s: float | None, max_queued: int) -> GenerationEvents:
-    """Submit the job (a Generation's job dict, tool_call_parser set where the server has one)
-    to `rt`. Raises APIError (no LLM 404, the queue full 503) or ValueError naming the field.
-    The chat template and the tokenizer run here: call it off any event loop."""
+    """Submit the job (a Generation's job dict, tool_call_parser set where the server has one,
+    its tenant and tier) to `rt`. Raises APIError (no LLM 404, the queue full 503) or ValueError
+    naming the field. The chat template and the tokenizer run here: call it off any event loop."""
     from runtime.llm.sampling_params import SamplingParams
 
     if rt.llm is None:
@@ -113,6 +114,9 @@ def start_generation(rt, job: dict, deadline_s: float | None, max_queued: int) -
         job.pop(name, None)
     prompt = job.pop("messages", None) or job.pop("prompt")
     priority = job.pop("priority", 0)
+    tenancy = tenancy_kwargs(*check_tenancy(job))  # the route named the tenant: its API key's
+    job.pop("tenant", None)
+    job.pop("tier", None)
     params = SamplingParams(**job)
     texts = token_texts(rt.tokenizer, params)
     stream = None
@@ -120,7 +124,7 @@ def start_generation(rt, job: dict, deadline_s: float | None, max_queued: int) -
         tools.check_params(params)  # as a worker's parse_generate does (n > 1 refused)
         prompt, params, fmt = tools.prepare(rt.tokenizer, prompt, params)
         stream = ToolStream(fmt, tools.request)
-    handle = rt.submit_generate(prompt, params, priority, deadline_s)
+    handle = rt.submit_generate(prompt, params, priority, deadline_s, **tenancy)
     return GenerationEvents(handle, params, stream, texts)
 
 

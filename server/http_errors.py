@@ -48,6 +48,7 @@ _TYPES = {
     404: "not_found_error",
     408: "timeout",
     413: "invalid_request_error",
+    429: "rate_limit_exceeded",  # a tenant past a limit (server/admission.py): with Retry-After
     503: "service_unavailable",
     504: "timeout",
 }

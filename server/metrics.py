@@ -76,6 +76,80 @@ def families(payloads: list[dict]) -> Iterator[Any]:
             h.add_metric(key(p, name), buckets, d["sum"])
         yield h
     yield from _camera_families(payloads)
+    yield from _tenant_families(payloads)
+
+
+def _tenant_families(payloads: list[dict]) -> Iterator[Any]:
+    """Per tenant of `tandem serve` (server/admission.py's payload, under "tenants"): tokens
+    served, queue time and TTFT as the server saw them (admission to the first event, to the
+    first token), rejections by the limit passed, requests in flight, weight and current share
+    (its part of the tokens served, weighted to the last half-minute)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    labels = ["tandem_instance", "tenant"]
+    tokens = {
+        "prompt_tokens": CounterMetricFamily(
+            PREFIX + "tenant_prompt_tokens", "Prompt tokens served to the tenant's requests.", labels=labels
+        ),
+        "completion_tokens": CounterMetricFamily(
+            PREFIX + "tenant_generation_tokens", "Tokens generated for the tenant's requests.", labels=labels
+        ),
+    }
+    gauges = {
+        "share": GaugeMetricFamily(
+            PREFIX + "tenant_share",
+            "The tenant's part of the tokens served recently (0 to 1; half-life 30 s).",
+            labels=labels,
+        ),
+        "weight": GaugeMetricFamily(PREFIX + "tenant_weight", "The tenant's weight (--tenants).", labels=labels),
+        "running": GaugeMetricFamily(
+            PREFIX + "tenant_requests_running", "The tenant's requests in flight (max_concurrent).", labels=labels
+        ),
+        "queued": GaugeMetricFamily(
+            PREFIX + "tenant_requests_waiting",
+            "The tenant's requests in flight with no output yet (max_queued).",
+            labels=labels,
+        ),
+    }
+    rejections = CounterMetricFamily(
+        PREFIX + "tenant_rejections",
+        "The tenant's requests refused with 429, by the limit passed.",
+        labels=[*labels, "reason"],
+    )
+    histograms = {
+        "queue_time": HistogramMetricFamily(
+            PREFIX + "tenant_queue_time_seconds",
+            "Admission to the first output of the tenant's requests, as the server sees it.",
+            labels=labels,
+        ),
+        "ttft": HistogramMetricFamily(
+            PREFIX + "tenant_time_to_first_token_seconds",
+            "Admission to the first token of the tenant's requests, as the server sees it.",
+            labels=labels,
+        ),
+    }
+    for p in payloads:
+        for tenant, t in sorted((p.get("tenants") or {}).items()):
+            lv = [str(p.get("instance", "")), str(tenant)]
+            for name, fam in tokens.items():
+                fam.add_metric(lv, float(t.get(name, 0)))
+            for name, fam in gauges.items():
+                fam.add_metric(lv, float(t.get(name, 0)))
+            for reason, n in sorted((t.get("rejections") or {}).items()):
+                rejections.add_metric([*lv, str(reason)], float(n))
+            for name, fam in histograms.items():
+                d = t.get(name)
+                if not d:
+                    continue
+                cumulative, buckets = 0, []
+                for bound, n in zip([*d["buckets"], float("inf")], d["counts"]):
+                    cumulative += n
+                    buckets.append((_le(bound), cumulative))
+                fam.add_metric(lv, buckets, d["sum"])
+    yield from tokens.values()
+    yield from gauges.values()
+    yield rejections
+    yield from histograms.values()
 
 
 # Bounds of the camera muxer's batch size histogram (cameras per group).
@@ -86,7 +160,8 @@ def _camera_families(payloads: list[dict]) -> Iterator[Any]:
     """Per camera: {"camera", "url", "up" (0/1), "fps", "frames", "drops", "detections",
     "reconnects", "state", "drops_by_reason", "carried_over", "latency_ms_p50",
     "latency_ms_p99", "batch_size_mean", "counts" (of its lines and zones), "clips" (its clip
-    ring)} as a camera service lists them under "cameras"; per service, its muxer under
+    ring), "push" (its events per push sink)} as a camera service lists them under "cameras";
+    per service, its push sinks under "push" (_push_families), its muxer under
     "batching" ({"window_ms", "batch_sizes": {size: groups}, "closed": {"complete"|"timeout":
     groups}})."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -148,8 +223,17 @@ def _camera_families(payloads: list[dict]) -> Iterator[Any]:
         "JPEGs the camera's clip ring holds now, for event clips' pre-roll (workers/camera_clips.py).",
         labels=labels,
     )
+    pushed = CounterMetricFamily(
+        PREFIX + "camera_push_events",
+        "A camera's line and zone events per push sink (a webhook or the MQTT broker), by outcome: sent, "
+        "failed, dropped (the sink's queue was full), suppressed (the webhook cooldown) (workers/camera_push.py).",
+        labels=[*labels, "sink", "outcome"],
+    )
     for instance, cam in cams:
         lv = [instance, str(cam.get("camera", ""))]
+        for sink, outcomes in sorted((cam.get("push") or {}).items()):
+            for outcome, n in sorted(outcomes.items()):
+                pushed.add_metric([*lv, str(sink), str(outcome)], float(n))
         if cam.get("clips"):
             clip_buffer.add_metric(lv, float(cam["clips"].get("buffer_bytes", 0)))
         counts = cam.get("counts") or {}
@@ -181,7 +265,30 @@ def _camera_families(payloads: list[dict]) -> Iterator[Any]:
     yield occupancy
     yield from zone_moves.values()
     yield clip_buffer
+    yield pushed
+    yield from _push_families(payloads)
     yield from _mux_families(payloads)
+
+
+def _push_families(payloads: list[dict]) -> Iterator[Any]:
+    """Per push sink of a camera service, from its payload's "push" ([{"sink", "sent",
+    "failed", "dropped", "queued", "connected"?}], workers/camera_push.py): what waits in its
+    queue now, and whether the MQTT broker is connected."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    labels = ["tandem_instance", "sink"]
+    queued = GaugeMetricFamily(
+        PREFIX + "push_queued", "Events waiting in a push sink's queue for a slow receiver.", labels=labels
+    )
+    connected = GaugeMetricFamily(PREFIX + "push_connected", "1 while the MQTT broker is connected.", labels=labels)
+    for p in payloads:
+        for sink in p.get("push") or ():
+            lv = [str(p.get("instance", "")), str(sink.get("sink", ""))]
+            queued.add_metric(lv, float(sink.get("queued") or 0))
+            if "connected" in sink:
+                connected.add_metric(lv, float(sink["connected"]))
+    yield queued
+    yield connected
 
 
 def _mux_families(payloads: list[dict]) -> Iterator[Any]:

@@ -33,6 +33,9 @@ _SAMPLING = {
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "priority": _INT,
+    # Fair shares (server/tenants.py): batch runs in the slots interactive traffic leaves.
+    "tier": {"enum": ["interactive", "batch"]},
+    "tenant": {"type": "string", "minLength": 1, "description": "absent, or the API key's own tenant"},
 }
 _OPENAI = {
     "model": {"type": "string", "minLength": 1},
@@ -230,6 +233,7 @@ _ERRORS = {
         (408, "the body did not arrive in time"),
         (409, "a job id reused with other arguments"),
         (413, "the body is too large"),
+        (429, "the API key's tenant is past one of its limits; Retry-After says when to retry"),
         (501, "the job API without workers"),
         (503, "overloaded or the job store unreachable; Retry-After says when to retry"),
         (504, "past the request's timeout"),

@@ -74,7 +74,7 @@ _STRUCTURED_SOURCES = ("response_format", "structured_outputs", *_GUIDED)
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _INTS = ("max_tokens", "top_k", "min_tokens", "seed", "priority")
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-_NOT_SAMPLING = ("prompt", "messages", "priority", "deadline_s", *TOOL_FIELDS)
+_NOT_SAMPLING = ("prompt", "messages", "priority", "deadline_s", "tenant", "tier", *TOOL_FIELDS)
 
 
 def clip(value: Any) -> str:
@@ -359,6 +359,7 @@ def _common(body: dict, kind: str, echo: bool = False) -> tuple[dict, bool, bool
             raise bad("priority", f"priority must be an integer (lower runs first), got {clip(priority)}")
         if priority:
             job["priority"] = priority
+    _tenancy(body, job)
     check_job(job, {"structured_outputs": source} if source else None)
     if stream is not None and not isinstance(stream, bool):
         raise bad("stream", f"stream must be a boolean, got {clip(stream)}")
@@ -405,6 +406,22 @@ def _prompt_logprobs(body: dict, job: dict, k: int | None, echo: bool, stream: b
         job["prompt_logprobs"] = 0
 
 
+def _tenancy(body: dict, job: dict) -> None:
+    """Tandem's extras for fair shares (server/tenants.py): `tier`, "interactive" (the default)
+    or "batch" (runs in the slots interactive traffic leaves, preempted first); `tenant`, which
+    the route checks against the API key's tenant (server/common.py claimed_tenant)."""
+    tier = body.get("tier")
+    if tier is not None:
+        if tier not in ("interactive", "batch"):
+            raise bad("tier", f"tier must be 'interactive' or 'batch', got {clip(tier)}")
+        job["tier"] = tier
+    tenant = body.get("tenant")
+    if tenant is not None:
+        if not isinstance(tenant, str) or not tenant:
+            raise bad("tenant", f"tenant must be a non-empty string, got {clip(tenant)}")
+        job["tenant"] = tenant
+
+
 def _model(body: dict) -> str | None:
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
@@ -428,6 +445,8 @@ _COMMON_FIELDS = (
     | set(_STRUCTURED_SOURCES)
     | {
         "priority",
+        "tier",
+        "tenant",
         "n",
         "best_of",
         "logprobs",

@@ -53,6 +53,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "per client, each seeing only its own jobs (default: $TANDEM_API_KEY; none: no check)",
     )
     p.add_argument(
+        "--tenants",
+        default=None,
+        metavar="TOML",
+        help="a tenants file: each [tenants.NAME] its keys, weight (its share under --policy fair) and optional "
+        "requests_per_minute, tokens_per_minute, max_concurrent, max_queued (past one: 429 with Retry-After); "
+        "its keys are accepted besides --api-key's (README, production)",
+    )
+    p.add_argument(
         "--keepalive", type=float, default=10.0, help="seconds between SSE keep-alives (a blank line) on a quiet stream"
     )
     p.add_argument(
@@ -93,6 +101,30 @@ def _check(args: argparse.Namespace) -> None:
         flag = "--engine-process" if args.engine_process else "--no-engine-process"
         raise ValueError(f"{flag} goes with --embedded (without it the workers run the engines)")
     api_key(args)
+    tenant_table(args)
+
+
+def tenant_table(args: argparse.Namespace):
+    """The tenants of --tenants and --api-key (server/tenants.py); ValueError naming the file,
+    the tenant and the field. A weight is the engine's scheduler's: it needs --embedded (this
+    process builds the engine) and --policy fair, else it would be read and ignored."""
+    from server.common import api_keys
+    from server.tenants import TenantTable, load_tenants
+
+    tenants = load_tenants(args.tenants) if args.tenants else []
+    table = TenantTable.build(tenants, api_keys(argparse.Namespace(api_key=api_key(args))))
+    weighted = sorted(table.weights())
+    if weighted and not args.embedded:
+        raise ValueError(
+            f"--tenants {args.tenants}: tenant {weighted[0]!r} has a weight, which the workers' engines do not "
+            "read; weights need --embedded (give the workers --policy fair for equal shares)"
+        )
+    if weighted and args.policy != "fair":
+        raise ValueError(
+            f"--tenants {args.tenants}: tenant {weighted[0]!r} has a weight, which only --policy fair uses "
+            f"(got --policy {args.policy or 'fcfs'})"
+        )
+    return table
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -121,6 +153,9 @@ def build_backend(args: argparse.Namespace):
     from workers.worker import worker_plan
 
     config, _, _ = worker_plan(args)
+    weights = tenant_table(args).weights()
+    if weights and config.get("llm") is not None:
+        config["llm"]["tenant_weights"] = weights  # the engine's fair scheduler (schedulers/fair.py)
     name = args.served_model_name or served_model_name((config.get("llm") or {}).get("model"))
     if args.engine_process is not False:
         from server.engine_client import EngineProcessBackend
@@ -174,12 +209,14 @@ def _serve(args: argparse.Namespace, backend) -> int:
 
     from server.app import ServeConfig, create_app
     from server.h11_guard import guarded_h11
+    from server.tenants import load_tenants
 
     config = ServeConfig(
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
         served_model_name=args.served_model_name,
         api_key=api_key(args),
+        tenants=tuple(load_tenants(args.tenants)) if args.tenants else (),
         keepalive_s=args.keepalive,
         body_timeout_s=args.body_timeout,
         header_timeout_s=args.header_timeout,

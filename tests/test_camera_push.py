@@ -431,3 +431,17 @@ def test_the_push_flags_name_the_flag():
     ]:
         with pytest.raises(ValueError, match=says.replace("[", r"\[").replace("]", r"\]")):
             service_config(p.parse_args([*base, *extra]))
+
+
+def test_metrics_render_each_sinks_outcomes_and_the_brokers_connection():
+    """/metrics (server/metrics.py) from a camera service's payload: a camera's events per sink
+    and outcome, and per service what waits in each sink's queue and whether MQTT is up."""
+    from server.metrics import render
+
+    row = {"camera": "door", "up": 1, "state": "live", "push": {"mqtt h:1883": {"sent": 4, "failed": 0, "dropped": 1}}}
+    sinks = [{"sink": "mqtt h:1883", "sent": 4, "failed": 0, "dropped": 1, "queued": 2, "connected": 1}]
+    page = render([{"instance": "i", "cameras": [row], "push": sinks}]).decode()
+    want = 'tandem:camera_push_events_total{camera="door",outcome="dropped",sink="mqtt h:1883",tandem_instance="i"} 1.0'
+    assert want in page
+    assert 'tandem:push_queued{sink="mqtt h:1883",tandem_instance="i"} 2.0' in page
+    assert 'tandem:push_connected{sink="mqtt h:1883",tandem_instance="i"} 1.0' in page

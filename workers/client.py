@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 
 from workers.events import JobEvent
-from workers.jobspec import parse_detect, parse_generate
+from workers.jobspec import parse_detect, parse_generate, queue_priority
 from workers.settings import JobSettings, model_queue
 from workers.store import FINAL_STATES, JobStore, check_job_id
 
@@ -79,6 +79,8 @@ class JobClient:
         model: str | None = None,
         ttl_s: int | None = None,
         owner: str | None = None,
+        tenant: str | None = None,
+        tier: str | None = None,
         **sampling,
     ) -> str:
         """Queue a generation; returns its job id once the job is recorded and its Celery
@@ -92,15 +94,19 @@ class JobClient:
         `choice`, each choice ends with a choice_end event, its result lists `choices` (the
         top-level text and tokens are choice 0's; usage counts the prompt once).
         `prompt_logprobs`: a prompt event (before any token) and the result's `prompt_logprobs`
-        hold one entry per prompt token, the first with logprob null."""
+        hold one entry per prompt token, the first with logprob null. `tenant` (default: the
+        anonymous tenant, jobspec.DEFAULT_TENANT) and `tier` ("interactive" or "batch"): the
+        engine's fair shares under --policy fair; a Celery client is trusted to name its own."""
         if model is not None and queue is not None:
             raise ValueError(f"model: give a model or a queue, not both (got {model!r} and {queue!r})")
         queue = model_queue(model) if model is not None else (queue or "llm")
         kwargs = {"prompt": prompt, "messages": messages, "priority": priority or None, "deadline_s": deadline_s}
+        kwargs.update(tenant=tenant, tier=tier)
         kwargs = {k: v for k, v in {**kwargs, **sampling}.items() if v is not None}
         spec = parse_generate(kwargs)
         max_tokens = spec.params.max_tokens if isinstance(spec.params.max_tokens, int) else 0
-        return self._submit("tandem.generate", kwargs, job_id, queue, ttl_s, max_tokens, priority, owner)
+        waits_as = queue_priority(priority, spec.tier)  # a batch job waits behind interactive ones
+        return self._submit("tandem.generate", kwargs, job_id, queue, ttl_s, max_tokens, waits_as, owner)
 
     def submit_detect(
         self,

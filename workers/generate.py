@@ -26,7 +26,7 @@ from runtime.llm.sampling_params import choice_seed
 from workers.choices import ChoiceState, OutputEvents, Resumed, resumed_from
 from workers.events import CHOICE_END, TOKEN, JobEvent
 from workers.host import ActiveJob, Cancelled, Fenced, WorkerHost
-from workers.jobspec import parse_generate
+from workers.jobspec import parse_generate, tenancy_kwargs
 from workers.settings import MODEL_QUEUE_PREFIX, model_queue
 from workers.tool_stream import ToolStream, tool_result
 
@@ -199,14 +199,14 @@ def generate_body(host: WorkerHost, job: ActiveJob, kwargs: dict) -> tuple[dict,
     appender = _Appender(host, job, resumed.num_appended)
     if resumed.prompt_logprobs is not None and params.max_tokens != 0:
         params = dataclasses.replace(params, prompt_logprobs=None)  # an earlier attempt sent them
+    # The engine's priority, and its fair-share tenant and tier (jobspec.check_tenancy).
+    order = {"priority": spec.priority, **tenancy_kwargs(spec.tenant, spec.tier)}
     if multi:
-        return _generate_choices(host, job, rt, spec.priority, prompt, params, remaining, resumed, rec, appender)
-    return _generate_one(
-        host, job, rt, spec.priority, prompt, params, remaining, resumed, rec, appender, tools, written
-    )
+        return _generate_choices(host, job, rt, order, prompt, params, remaining, resumed, rec, appender)
+    return _generate_one(host, job, rt, order, prompt, params, remaining, resumed, rec, appender, tools, written)
 
 
-def _generate_one(host, job, rt, priority, prompt, params, remaining, resumed: Resumed, rec, appender, tools, written):
+def _generate_one(host, job, rt, order, prompt, params, remaining, resumed: Resumed, rec, appender, tools, written):
     c = resumed.choices[0]
     prefix_ids, prefix_text, prefix_logprobs = list(c.ids), c.text, c.logprobs
     calls = _JobTools(host, job, ToolStream(*tools, written), appender) if tools else None
@@ -230,7 +230,7 @@ def _generate_one(host, job, rt, priority, prompt, params, remaining, resumed: R
     handle = rt.submit_generate(
         prompt,
         params,
-        priority=priority,
+        **order,
         deadline_s=remaining,
         request_id=f"{job.job_id}#{job.attempt}",
         num_resumed_outputs=len(prefix_ids),
@@ -268,7 +268,7 @@ def _choice_params(params, index: int):
     return dataclasses.replace(params, n=1, best_of=None, seed=seed, prompt_logprobs=None)
 
 
-def _generate_choices(host, job, rt, priority, prompt, params, remaining, resumed: Resumed, rec, appender):
+def _generate_choices(host, job, rt, order, prompt, params, remaining, resumed: Resumed, rec, appender):
     """A job of n > 1 choices: one request (choices forked from one prefill); resumed, one
     request per choice not ended, from its own tokens."""
     states = resumed.choices
@@ -302,7 +302,7 @@ def _generate_choices(host, job, rt, priority, prompt, params, remaining, resume
                 rt.submit_generate(
                     request_prompt,
                     p,
-                    priority=priority,
+                    **order,
                     deadline_s=remaining,
                     request_id=rid,
                     num_resumed_outputs=num_earlier,

@@ -10,6 +10,7 @@ import binascii
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 
 from runtime import errors
@@ -19,9 +20,15 @@ from workers.tool_stream import TOOL_FIELDS, ToolJob
 from workers.urlguard import UrlPolicy, parse_url
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-GENERATE_FIELDS = ("prompt", "messages", "priority", "deadline_s", *TOOL_FIELDS, *SAMPLING_FIELDS)
+GENERATE_FIELDS = ("prompt", "messages", "priority", "deadline_s", "tenant", "tier", *TOOL_FIELDS, *SAMPLING_FIELDS)
 DETECT_FIELDS = ("image", "url", "path", "priority", "deadline_s")
 MAX_IMAGE_BYTES = 32 << 20
+# Fair shares (the engine's policy="fair", schedulers/fair.py): a job's tenant, and its tier.
+# A job that names no tenant is the anonymous tenant's, as a request to `tandem serve` without
+# API keys is (server/tenants.py).
+DEFAULT_TENANT = "default"
+TIERS = ("interactive", "batch")  # schedulers/request.py's: batch runs in the slots interactive leaves
+TENANT_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 
 
 @dataclass(slots=True)
@@ -31,6 +38,8 @@ class GenerateSpec:
     priority: int = 0
     deadline_s: float | None = None  # from submission
     tools: ToolJob | None = None  # tools offered, or tool turns in the messages (tool_stream.py)
+    tenant: str = DEFAULT_TENANT
+    tier: str = "interactive"
 
 
 @dataclass(slots=True)
@@ -169,7 +178,42 @@ def parse_generate(kwargs: dict) -> GenerateSpec:
     tools = ToolJob.from_kwargs(kwargs)
     if tools is not None:
         tools.check_params(params)
-    return GenerateSpec(body, params, priority, deadline, tools)
+    tenant, tier = check_tenancy(kwargs)
+    return GenerateSpec(body, params, priority, deadline, tools, tenant, tier)
+
+
+def check_tenancy(kwargs: dict) -> tuple[str, str]:
+    """A generate job's (tenant, tier): tenant 1-64 characters of [A-Za-z0-9._:@-] (default
+    DEFAULT_TENANT), tier one of TIERS (default interactive)."""
+    tenant = kwargs.get("tenant", DEFAULT_TENANT)
+    if not isinstance(tenant, str) or not TENANT_NAME.fullmatch(tenant):
+        raise FieldError("tenant", f"tenant must be 1-64 characters of [A-Za-z0-9._:@-], got {tenant!r}")
+    tier = kwargs.get("tier", "interactive")
+    if tier not in TIERS:
+        raise FieldError("tier", f"tier must be one of {list(TIERS)}, got {tier!r}")
+    return tenant, tier
+
+
+BATCH_QUEUE_PRIORITY = 10  # store.broker_priority's last list: polled after every other
+
+
+def queue_priority(priority: int, tier: str) -> int:
+    """The priority a job waits in Redis under: its own, or for a batch job no better than
+    BATCH_QUEUE_PRIORITY, so that a worker takes the interactive jobs queued behind a batch
+    backlog first (the engine then orders the tiers itself: schedulers/continuous.py)."""
+    return max(priority, BATCH_QUEUE_PRIORITY) if tier == "batch" else priority
+
+
+def tenancy_kwargs(tenant: str, tier: str) -> dict:
+    """Runtime.submit_generate's tenant and tier keywords for a job's: none for the defaults
+    (DEFAULT_TENANT is the engine's anonymous tenant, ""), so a default job asks nothing new of
+    the Runtime."""
+    out = {}
+    if tenant != DEFAULT_TENANT:
+        out["tenant"] = tenant
+    if tier != "interactive":
+        out["tier"] = tier
+    return out
 
 
 def parse_detect(kwargs: dict) -> DetectSpec:

@@ -38,8 +38,9 @@ def _run(task, name: str, kwargs: dict, body, default_queue: str) -> dict:
 
 @app.task(name="tandem.generate", bind=True)
 def generate(self, **kwargs) -> dict:
-    """A prompt (text or token ids) or chat messages, SamplingParams fields, priority and
-    deadline_s. Returns {job_id, text, token_ids, finish_reason, usage, timings}."""
+    """A prompt (text or token ids) or chat messages, SamplingParams fields, priority,
+    deadline_s, and the fair scheduler's tenant and tier (interactive or batch). Returns
+    {job_id, text, token_ids, finish_reason, usage, timings}."""
     return _run(self, "tandem.generate", kwargs, generate_body, "llm")
 
 

@@ -23,10 +23,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server import openapi, protocol, responses
+from server.admission import Rejected, Ticket, estimate_tokens
 from server.common import (
     KEEPALIVE,
     TICK,
     ServerContext,
+    claimed_tenant,
     close_stream,
     context,
     failure,
@@ -38,7 +40,12 @@ from server.common import (
 )
 from server.protocol import APIError, Generation
 from server.routes.models import resolve_model
-from workers.events import CANCELLED, CHOICE_END, DONE, FAILED, PROMPT, TOOL_KINDS, JobEvent
+from server.tenants import DEFAULT_TENANT
+from workers.events import CANCELLED, CHOICE_END, DONE, FAILED, PROMPT, TOKEN, TOOL_KINDS, JobEvent
+
+# Tokens a request without max_tokens (a chat's default: what the context leaves) is charged
+# at admission against its tenant's tokens_per_minute, before its usage reconciles them.
+DEFAULT_MAX_TOKENS_ESTIMATE = 256
 
 router = APIRouter()
 
@@ -59,6 +66,7 @@ class Job:
 
     stream: object  # backends.Stream
     events: AsyncIterator[JobEvent]
+    ticket: Ticket | None = None  # its tenant's admission (server/admission.py), until it ends
     done: bool = False
 
 
@@ -94,11 +102,12 @@ async def run(gen: Generation, request: Request) -> Response:
     timeout = ctx.timeout_of(gen)
     deadline = time.monotonic() + timeout
     owner = owner_of(request)  # contract G: with several API keys, this key's jobs are its own
+    ticket = admit(ctx, request, gen)
     job: Job | None = None
     first: asyncio.Future | None = None
     try:
         stream = await ctx.backend.generate(gen, timeout, owner=owner)
-        job = Job(stream, stream.events())
+        job = Job(stream, stream.events(), ticket)
         first = asyncio.ensure_future(_next(job))
         # A refusal (a prompt too long, say) comes at once, and is an HTTP error even for a
         # stream; a stream whose first event takes longer (a queued job) starts anyway, so that
@@ -115,7 +124,10 @@ async def run(gen: Generation, request: Request) -> Response:
     except BaseException:
         if first is not None:
             first.cancel()
+        if ticket.queued:  # refused, or gone, before anything ran: its tokens go back
+            ticket.finish(0, 0)
         cancel(ctx, job)
+        ticket.finish()
         raise
     if gen.stream:
         return StreamingResponse(
@@ -132,10 +144,29 @@ async def run(gen: Generation, request: Request) -> Response:
     return JSONResponse(responses.response(gen, model, answer.to_choices(), use, answer.prompt))
 
 
+def admit(ctx: ServerContext, request: Request, gen: Generation) -> Ticket:
+    """The request's place among its tenant's (server/admission.py): its tenant from its API
+    key (a `tenant` field naming another is 400), its tokens estimated; 429 with Retry-After
+    past one of the tenant's limits."""
+    tenant = claimed_tenant(request, gen.job.pop("tenant", None))
+    if tenant != DEFAULT_TENANT:  # the anonymous tenant is the engine's default: nothing to send
+        gen.job["tenant"] = tenant
+    choices = max(gen.n, gen.job.get("best_of") or 1)
+    mt = gen.job.get("max_tokens")
+    mt = (mt if isinstance(mt, int) else DEFAULT_MAX_TOKENS_ESTIMATE) * choices
+    num_tokens = estimate_tokens(gen.job.get("prompt"), gen.prompt_bytes(), mt, 0)
+    try:
+        return ctx.admission.admit(tenant, num_tokens)
+    except Rejected as exc:
+        raise APIError(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)}) from None
+
+
 def cancel(ctx: ServerContext, job: Job | None) -> None:
     """Stop the job if its events have not ended (later: this may run where awaiting is cancelled)."""
     if job is not None and not job.done:
         job.done = True
+        if job.ticket is not None:
+            job.ticket.finish()  # its slot back; the tokens estimated stay charged
         ctx.later(close_stream(job.stream, job.events))
 
 
@@ -144,8 +175,16 @@ async def _next(job: Job) -> JobEvent:
         event = await job.events.__anext__()
     except StopAsyncIteration:
         event = JobEvent(FAILED, error="the job ended without a result")
+    ticket = job.ticket
+    if ticket is not None:
+        ticket.started()
+        if event.type in (TOKEN, DONE, *TOOL_KINDS):
+            ticket.token()
     if event.final:
         job.done = True
+        if ticket is not None:
+            use = await job.stream.usage() if event.type == DONE else {}
+            ticket.finish(use.get("prompt_tokens"), use.get("completion_tokens"))
     return event
 
 

@@ -59,5 +59,5 @@ async def health(request: Request, model: str | None = None) -> Response:
 async def metrics(request: Request) -> Response:
     from server.metrics import render
 
-    payloads = await context(request).backend.payloads()
+    payloads = await context(request).payloads()  # the backend's, and the tenants' (server/admission.py)
     return Response(render(payloads), media_type="text/plain; version=0.0.4; charset=utf-8")

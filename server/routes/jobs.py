@@ -10,7 +10,9 @@ come with tools (tools, tool_choice, parallel_tool_calls): the job's events then
 choice_end event; its result lists `choices`. `prompt_logprobs` adds a prompt event and the
 result's `prompt_logprobs`. With an API key,
 each job belongs to the key that submitted it (contract G): another key gets 404, as if it did
-not exist.
+not exist. A generate job is its key's tenant's (server/tenants.py: a `tenant` field naming
+another is 400), may set `tier` ("interactive" or "batch"), and counts against its tenant's
+requests and tokens per minute (429 with Retry-After past them).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from server import openapi, protocol
-from server.common import KEEPALIVE, TICK, context, owner_of, ticking
+from server.admission import Rejected, estimate_tokens
+from server.common import KEEPALIVE, TICK, claimed_tenant, context, owner_of, ticking
 from server.protocol import APIError
 from server.routes.models import pick_model, served_models
+from server.tenants import DEFAULT_TENANT
 
 router = APIRouter()
 _STREAM_ID = re.compile(r"(\d{1,20})(?:-(\d{1,20}))?")
@@ -61,6 +65,18 @@ def checked_job_id(job_id: str) -> str:
         raise APIError(
             400, f"job_id must be 1-200 characters of [A-Za-z0-9._:@-], got {protocol.clip(job_id)}", "job_id"
         ) from None
+
+
+def charge(request: Request, tenant: str, body: dict, max_tokens: int) -> None:
+    """A generate job's request and tokens against its tenant's per-minute limits (429 with
+    Retry-After past one). A job outlives its request, so it holds no slot of max_concurrent
+    or max_queued: those caps are the OpenAI endpoints' (server/admission.py)."""
+    prompt = body.get("prompt") if body.get("prompt") is not None else body.get("messages")
+    size = len(json.dumps(prompt)) if not isinstance(prompt, str) else len(prompt.encode("utf-8", "surrogatepass"))
+    try:
+        context(request).admission.charge(tenant, estimate_tokens(prompt, size, max_tokens, 0))
+    except Rejected as exc:
+        raise APIError(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)}) from None
 
 
 def _missing(job_id: str) -> APIError:
@@ -102,14 +118,19 @@ async def submit_job(request: Request) -> dict:
         raise APIError(400, f"task must be 'generate' or 'detect', got {protocol.clip(task)}", "task")
     if job_id is not None:
         job_id = checked_job_id(job_id)
-    from workers.jobspec import parse_detect, parse_generate
+    from workers.jobspec import parse_detect, parse_generate, queue_priority
 
     if task == "generate":
         model = body.pop("model", None)  # routing, not a job field: it picks the queue
+        tenant = claimed_tenant(request, body.pop("tenant", None))  # the API key's, never another
+        if tenant != DEFAULT_TENANT:
+            body["tenant"] = tenant
         protocol.check_job(body)  # the OpenAI endpoints' checks; messages come back cleaned
         queue = await _generate_queue(request, model, body)
         spec = parse_generate(body)
         name, max_tokens = "tandem.generate", spec.params.max_tokens or 0
+        charge(request, tenant, body, max_tokens * max(spec.params.n, spec.params.best_of or 1))
+        waits_as = queue_priority(spec.priority, spec.tier)  # a batch job waits behind interactive ones
     else:
         for key in ("url", "path"):
             if isinstance(body.get(key), str):
@@ -119,6 +140,7 @@ async def submit_job(request: Request) -> dict:
             protocol.check_job({"deadline_s": deadline})
         spec = parse_detect(body)
         queue, name, max_tokens = "vision", "tandem.detect", 0
+        waits_as = spec.priority
     await b.check_capacity(queue)
     try:
         job_id, created, state = await b.submit(
@@ -126,7 +148,7 @@ async def submit_job(request: Request) -> dict:
             body,
             job_id=job_id,
             queue=queue,
-            priority=spec.priority,
+            priority=waits_as,
             max_tokens=max_tokens,
             **owned(request, b.submit),
         )
