@@ -15,8 +15,10 @@ Who goes first (WaitingQueue) and who is preempted (`_victim_key_for`):
   - policy "priority": lower Request.priority first, aged by the wait (config.priority_aging_s,
     the bound in WaitingQueue's docstring), the worst aged priority preempted first;
   - policy "fair": per-tenant Virtual Token Counters within a priority level, the prefill
-    budget split between tenants, the victim from the tenant furthest over its share
-    (schedulers/fair.py).
+    budget split between tenants, the victim from the tenant furthest over its share; slot
+    shares (schedulers/fair.py): no admission past a tenant's share of `max_num_seqs` while
+    another tenant below its share waits, and a tenant below its share that finds no slot
+    takes one from the tenant furthest over its share (`_make_room`).
 
 Parallel sampling (a request with `followers`, one per further choice): the leader is admitted
 only when running requests leave room for all its choices (max_num_seqs), with the blocks its
@@ -142,6 +144,11 @@ class WaitingQueue:
 
     def remove(self, req: Request) -> None:
         self._tiers[req.is_batch].remove(req)
+
+    def tenants(self, batch: bool = True) -> set[str]:
+        """Under "fair": the tenants with a waiting interactive request, or (`batch`) any."""
+        out = self._tiers[0].tenants()
+        return out | self._tiers[1].tenants() if batch else out
 
     def demands(self) -> dict[str, int]:
         """Under "fair": each waiting tenant's head request's tokens."""
@@ -460,15 +467,36 @@ class ContinuousBatchScheduler:
         return max(self.running, key=self._victim_key)
 
     def _make_room(self, step: _Step, req: Request) -> bool:
-        """An interactive request that cannot be admitted (no slot, or no blocks) preempts a
-        running batch request; False if there is none."""
-        if req.is_batch or not self.table.num_batch:
+        """A request that cannot be admitted (no slot, or no blocks) preempts, if it is
+        interactive, a running batch request; else, under "fair", a request of the tenant
+        furthest over its share of the slots if its own tenant stays within its share (never an
+        interactive request for a batch one). False if it preempted nothing."""
+        if not req.is_batch and self.table.num_batch:
+            batch = [r for r in self.running if r.is_batch]
+            if batch:
+                self._preempt(step, max(batch, key=self._victim_key))
+                return True
+        if self.tenants is None:
             return False
-        batch = [r for r in self.running if r.is_batch]
-        if not batch:
+        donor = self.tenants.slot_donor(req.tenant, 1 + len(req.followers), self.config.max_num_seqs)
+        if donor is None:
             return False
-        self._preempt(step, max(batch, key=self._victim_key))
+        victims = [r for r in self.running if r.tenant == donor and (r.is_batch or not req.is_batch)]
+        if not victims:
+            return False
+        self._preempt(step, max(victims, key=self._victim_key))
         return True
+
+    def _share_held_for_others(self, req: Request, skip: set[str] | None) -> bool:
+        """Under "fair": admitting `req` would take its tenant past its share of the slots
+        while another tenant below its share waits (in req's tier or a better one)."""
+        tenants, slots = self.tenants, self.config.max_num_seqs
+        if not tenants.slot_shares or tenants.within_share(req.tenant, 1 + len(req.followers), slots):
+            return False
+        others = self.waiting.tenants(req.is_batch) - {req.tenant}
+        if skip:
+            others -= skip
+        return any(tenants.within_share(t, 1, slots) for t in others)
 
     def _preempt(self, step: _Step, victim: Request) -> None:
         self.running.remove(victim)
@@ -503,13 +531,19 @@ class ContinuousBatchScheduler:
         threshold = self.config.long_prefill_token_threshold
         # Slots held for the followers of leaders still prefilling: they join at their fork.
         held = sum(len(r.followers) for r in self._leaders) if self._leaders else 0
-        shares, skip = step.shares, None
+        shares, skip, made_room_for = step.shares, None, None
         while len(waiting) and step.budget > 0:
-            req = waiting.peek(skip)
+            # After a preemption made room for a request, that request, not whoever the queue
+            # puts first now (the victim, pushed back to the front, may win a tie).
+            req, made_room_for = (made_room_for, None) if made_room_for is not None else (waiting.peek(skip), None)
             if req is None:
                 break  # under "fair", every waiting tenant has used its share of the budget
+            if self.tenants is not None and self._share_held_for_others(req, skip):
+                skip = (skip or set()) | {req.tenant}
+                continue
             if len(running) + held + 1 + len(req.followers) > max_seqs:
                 if self._make_room(step, req):
+                    made_room_for = req
                     continue
                 break  # not room for all its choices yet
             cap = min(step.budget, threshold) if threshold else step.budget
@@ -521,6 +555,7 @@ class ContinuousBatchScheduler:
             n = table.admit(req, cap)
             if n == 0:
                 if self._make_room(step, req):
+                    made_room_for = req
                     continue
                 break  # not enough free blocks: wait for running requests to finish
             waiting.pop(req)

@@ -19,6 +19,14 @@ their leader's prompt and pay for none of it.
   - The step's prefill budget is split between the tenants that want some, max-min fair by
     weight (`PrefillShares`); what a tenant leaves is free for the others.
   - The preemption victim comes from the running tenant with the highest counter.
+  - Slot shares: each active tenant is owed `max_num_seqs` times its weight over the active
+    tenants' weights of the batch's slots. Admission does not take a tenant past its share
+    while another tenant below its share waits (work-conserving otherwise), and a tenant below
+    its share that finds no slot takes one from the tenant furthest over its own (`slot_donor`,
+    a preemption). VTC alone never preempts: a light tenant arriving beside a flood that holds
+    every slot would wait for flood requests to finish, however low its counter. A donor keeps
+    at least its share, and nobody is admitted past a share that another waits for, so two
+    backlogged tenants never take slots back and forth.
 
 The weights: VTC's evaluation uses w_p = 1 and w_q = 2, the ratio OpenAI priced input and
 output tokens at then; on this engine a decode token costs a whole forward's weight reads for
@@ -55,6 +63,7 @@ class TenantCounters:
         self.num_unfinished: dict[str, int] = {}  # waiting or running requests per tenant
         self.num_running: dict[str, int] = {}
         self.lift = True  # VTC's counter lift (tests switch it off to see it matter)
+        self.slot_shares = True  # the slot shares below (tests switch them off, as the lift)
         # Requests whose prompt lacks its last token: a one-token rest runs in the decode loop,
         # which records no prefill row, so `settle` charges it once the table has applied it.
         self.owed: list[Request] = []
@@ -87,6 +96,33 @@ class TenantCounters:
 
     def stopped(self, tenant: str) -> None:
         self.num_running[tenant] -= 1
+
+    # ---- slot shares ------------------------------------------------------------------------
+
+    def _per_weight(self, slots: int) -> float:
+        weights = self.weights
+        total = sum(weights.get(t, 1.0) for t, k in self.num_unfinished.items() if k)
+        return slots / total if total > 0 else 0.0
+
+    def within_share(self, tenant: str, need: int, slots: int) -> bool:
+        """Whether `tenant` running `need` more stays within its share of the `slots`."""
+        share = self._per_weight(slots) * self.weights.get(tenant, 1.0)
+        return self.num_running.get(tenant, 0) + need <= share + 1e-9
+
+    def slot_donor(self, tenant: str, need: int, slots: int) -> str | None:
+        """The tenant to take a running request from so that `tenant` runs `need` more, or
+        None: only when `tenant` stays within its share after it, and the donor (the tenant
+        furthest over its own share) holds more than its share now."""
+        if not self.slot_shares or not self.within_share(tenant, need, slots):
+            return None
+        per_weight, weights = self._per_weight(slots), self.weights
+        donor, excess = None, 1e-9
+        for t, k in self.num_running.items():
+            if k and t != tenant:
+                over = k - per_weight * weights.get(t, 1.0)
+                if over > excess:
+                    donor, excess = t, over
+        return donor
 
     # ---- charging ---------------------------------------------------------------------------
 
@@ -239,6 +275,10 @@ class FairQueue:
                 del self._levels[req.priority]
 
     pop_head = remove  # the head of its tenant's FIFO: O(1)
+
+    def tenants(self) -> set[str]:
+        """The tenants with a waiting request in this queue."""
+        return {t for tenants in self._levels.values() for t in tenants}
 
     def demands(self, out: dict[str, int]) -> None:
         """Add each tenant's head request's tokens to `out` (the prefill it would want)."""

@@ -66,7 +66,7 @@ def backlogged(sched, tenant: str) -> bool:
     return any(r.tenant == tenant for r in sched.waiting)
 
 
-def heavy_and_light(policy: str, lift: bool = True):
+def heavy_and_light(policy: str, lift: bool = True, slot_shares: bool = True):
     """One heavy tenant with 10x the light one's load: 'heavy' queues 400 requests at once and
     runs alone for 150 steps (its counter grows), then 'light' queues 40. Returns the service
     difference (heavy minus light, since light arrived) at every step both are backlogged,
@@ -76,6 +76,7 @@ def heavy_and_light(policy: str, lift: bool = True):
     sched = make(num_blocks=num_blocks, max_num_seqs=8, max_num_batched_tokens=32, policy=policy)
     if sched.tenants is not None:
         sched.tenants.lift = lift
+        sched.tenants.slot_shares = slot_shares
     prompts = []
     for i in range(400):
         n = rng.randrange(4, 24)
@@ -114,9 +115,41 @@ def test_fair_keeps_backlogged_tenants_within_the_vtc_bound_and_fcfs_does_not():
 
 def test_the_counter_lift_is_what_keeps_a_returning_tenant_from_taking_over():
     """Without the lift, 'light' arrives with counter 0 against heavy's 40 steps of service and
-    takes every slot until it catches up: the service gap (light ahead) passes the bound."""
-    diffs, bound = heavy_and_light("fair", lift=False)
+    takes every slot until it catches up: the service gap (light ahead) passes the bound. (The
+    slot shares, which cap light at its share while heavy waits, are off to see the lift alone.)"""
+    diffs, bound = heavy_and_light("fair", lift=False, slot_shares=False)
     assert min(diffs) < -bound
+
+
+@pytest.mark.parametrize("slot_shares", [True, False], ids=["shares", "vtc-alone"])
+def test_a_tenant_arriving_beside_a_flood_gets_its_share_of_the_slots_at_once(slot_shares):
+    """'heavy' holds all four slots with long requests and 36 more wait; 'light' sends two:
+    the next step runs both (its share: two of four), taking the slots of heavy's latest
+    arrivals, which wait again ahead of heavy's others. Under VTC alone (no slot shares) light
+    waits for heavy requests to finish, however low its counter."""
+    sched = make(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64, policy="fair")
+    sched.tenants.slot_shares = slot_shares
+    for i in range(40):
+        sched.add_request(req(f"h{i}", 8, 200, "heavy", arrival=float(i)))
+    service, runner = Service(sched), MirrorRunner()
+    for t in range(5):
+        service.step(float(t), runner)
+    assert sorted(r.request_id for r in sched.running) == ["h0", "h1", "h2", "h3"]
+    for i in range(2):
+        sched.add_request(req(f"l{i}", 8, 8, "light", arrival=5.0))
+    plan, _ = service.step(5.0, runner)
+    light_rows = [rid for rid in plan.req_ids if rid.startswith("l")]
+    if not slot_shares:
+        assert light_rows == [] and sched.table.num_preemptions == 0
+        return
+    assert sorted(light_rows) == ["l0", "l1"]
+    assert sorted(r.request_id for r in sched.running) == ["h0", "h1", "l0", "l1"]
+    assert sched.table.num_preemptions == 2
+    # Heavy keeps its share: its waiting requests take no slot back from light.
+    for t in range(6, 12):
+        service.step(float(t), runner)
+        assert sum(r.tenant == "light" for r in sched.running) == 2
+    assert sched.table.num_preemptions == 2
 
 
 def test_fair_shares_the_slots_and_prefill_budget_between_tenants():
