@@ -16,6 +16,7 @@ from benchmarks.serve import add_bench_serve_arguments
 from benchmarks.single import add_arguments as add_single
 from benchmarks.step import add_arguments as add_step
 from benchmarks.streams import add_bench_streams_arguments
+from benchmarks.tenants import add_arguments as add_tenants
 from benchmarks.vision import add_bench_arguments as add_vision_bench
 from benchmarks.weight_kernels import add_arguments as add_weight_kernels
 from benchmarks.worker_start import add_arguments as add_worker_start
@@ -39,6 +40,8 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench_out")
     p = bench.add_parser("fairness", help="each tenant's service over steps, FCFS against fair (VTC), no model")
     add_fairness(p)
+    p = bench.add_parser("tenants", help="fair shares end to end: TTFT beside a flood and a batch backlog, per policy")
+    add_tenants(p)
     add_vision_bench(bench.add_parser("vision", help="images/s and latency against Ultralytics"))
     add_llm_bench(bench.add_parser("llm", help="useful tokens/s, steps, KV use, TTFT: continuous vs static vs vLLM"))
     add_mixed_bench(bench.add_parser("mixed", help="chat + cameras: one Runtime vs two processes, deadlines met"))
@@ -85,6 +88,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
         from benchmarks.fairness import run as run_fairness
 
         return run_fairness(args)
+    if args.bench == "tenants":
+        from benchmarks.tenants import run as run_tenants
+
+        return run_tenants(args)
     if args.bench == "vision":
         from benchmarks.vision import run_bench
 
