@@ -1,13 +1,16 @@
 """`python -m benchmarks weight-kernels`: the model's linear layers as Tandem runs them today
 (weights pre-packed for oneDNN, float32 or bfloat16) against torch's CPU weight-only kernels,
 4-bit (`_weight_int4pack_mm_for_cpu`, group-wise asymmetric, as GGUF's Q4_1 blocks of 32) and
-8-bit (`_weight_int8pack_mm`, per output channel), at decode batch sizes.
+8-bit (`_weight_int8pack_mm`, per output channel), and Tandem's own kernel over GGUF's Q4_1
+blocks with 8-bit activations (kernels/quant_linear.py) on each of its SIMD paths this CPU runs
+("q4_1 amx", "q4_1 vnni", "q4_1 avx2"), at decode batch sizes.
 
 Why: a small-batch decode reads every weight once per step, so weights kept at the 4 bits the
 model ships in could make the step up to 4x (bfloat16) or 8x (float32) cheaper, if the kernel
 reads them at the machine's speed. This measures whether torch's kernels do, per dtype and
 batch, before a quantized path is built on them (issue 19, item 3). Each kernel's output is
-checked against float32 math on the same quantized weights.
+checked against float32 math on the same quantized weights (Tandem's kernel: against its torch
+path, the same math with the same 8-bit activations).
 
 Each layer has weights of its own (121 of them, 135 M parameters in all), and each timed call
 runs them all in order, as a forward does, so the weights stream from memory as in a decode
@@ -77,6 +80,28 @@ def _median_ms(fn, iters: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def _tandem_isas() -> list[str]:
+    """Tandem's Q4_1 kernel's SIMD paths on this CPU (not the portable one, too slow to time)."""
+    from kernels import quant_linear
+
+    return [isa for isa in quant_linear.available_isas() if isa != "scalar"]
+
+
+def _q4_1_blocks(w):
+    """GGUF Q4_1 blocks [N, K / 32 * 20] of weights [N, K]: per 32, float16 d = (max - min) / 15
+    and m = min, then 16 bytes of nibbles (weight j low, j + 16 high), as llama.cpp's quantizer."""
+    import torch
+
+    n, k = w.shape
+    g = w.view(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d = (hi - lo) / 15
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+    dm = torch.stack([d, lo], -1).to(torch.float16).view(torch.uint8)  # [N, KB, 4]: d, m
+    return torch.cat([dm, q[..., :16] | (q[..., 16:] << 4)], -1).reshape(n, -1).contiguous()
+
+
 def _kernels(k: int, n: int, m: int, dtype, seed: int = 0):
     """One layer's weights under each kernel: {name: (callable, relative error against float32
     math on its own weights)}."""
@@ -123,7 +148,33 @@ def _kernels(k: int, n: int, m: int, dtype, seed: int = 0):
         torch._weight_int8pack_mm(x, q8, s8d),
         F.linear(x.float(), q8.float() * s8[:, None]),
     )
+
+    from kernels import quant_linear
+
+    blocks = _q4_1_blocks(w)
+    want = quant_linear.q4_1_linear_torch(x, blocks).float()
+    for isa in _tandem_isas():
+        before = quant_linear.set_isa(isa)
+        try:
+            got = quant_linear.q4_1_linear(x, blocks)
+        finally:
+            quant_linear.set_isa(before)
+        # run() forces the path around the timed calls: a set_isa per layer would be timed too.
+        out[f"q4_1 {isa}"] = (lambda: quant_linear.q4_1_linear(x, blocks), got, want)
     return {name: (fn, float((got.float() - r).abs().max() / r.abs().max())) for name, (fn, got, r) in out.items()}
+
+
+def _timed(name: str, fn, iters: int) -> float:
+    """_median_ms, with Tandem's kernel forced onto the path its name says."""
+    if not name.startswith("q4_1 "):
+        return _median_ms(fn, iters)
+    from kernels import quant_linear
+
+    before = quant_linear.set_isa(name.split()[1])
+    try:
+        return _median_ms(fn, iters)
+    finally:
+        quant_linear.set_isa(before)
 
 
 def run(args) -> int:
@@ -154,7 +205,7 @@ def run(args) -> int:
             worst: dict[str, float] = {}
             for name in layers[0]:
                 calls = [layer[name][0] for layer in layers]
-                total[name] = _median_ms(lambda calls=calls: [call() for call in calls], args.iters)
+                total[name] = _timed(name, lambda calls=calls: [call() for call in calls], args.iters)
                 worst[name] = max(layer[name][1] for layer in layers)
             del layers
             base = total[next(iter(total))]  # oneDNN packed, or plain F.linear where oneDNN cannot pack

@@ -15,8 +15,9 @@
 //   reduced horizontally once per output.
 // * One library holds every instruction-set path, each compiled for its own target by a
 //   function attribute and chosen at run time from CPUID, so the build is the same on every
-//   x86-64 CPU: AVX-512 VNNI (vpdpbusd: u8 x s8 products summed into int32 in one instruction),
-//   AVX2 (vpmaddubsw then vpmaddwd with ones), and portable C++.
+//   x86-64 CPU: AMX int8 (tile products, kernels/quant_linear_amx.cpp; from kAmxMinRows rows),
+//   AVX-512 VNNI (vpdpbusd: u8 x s8 products summed into int32 in one instruction), AVX2
+//   (vpmaddubsw then vpmaddwd with ones), and portable C++.
 // * The unsigned x signed products of those instructions fit Q4_1 directly (nibbles 0..15 x
 //   int8 activations). Q8_0's weights are signed: |w| x (x with w's sign) is the same product
 //   with an unsigned left side (the "sign trick"); |w| <= 128 and |q_a| <= 127 keep vpmaddubsw's
@@ -30,9 +31,9 @@
 //   one chain of dependent FMAs (4 cycles each) would otherwise bound the loop below the
 //   memory's rate.
 //
-// Files: kernels/quant_linear.h (what both halves share), this file (quantization, the
+// Files: kernels/quant_linear.h (what the parts share), this file (quantization, the
 // per-block tile kernels, dispatch, the ops), kernels/quant_linear_batch.cpp (Q4_1 and Q8_0
-// batches over repacked weights).
+// batches over repacked weights), kernels/quant_linear_amx.cpp (the AMX path).
 
 #include "quant_linear.h"
 
@@ -55,7 +56,16 @@
 namespace tq {
 namespace {
 
-const char* const kIsaNames[] = {"scalar", "avx2", "vnni"};
+const char* const kIsaNames[] = {"scalar", "avx2", "vnni", "amx"};
+constexpr int kNumIsas = 4;
+
+// "auto" takes the AMX path from this many activation rows, VNNI below: AMX's fixed work per
+// block of 16 weight rows (unpacking them, finishing 16 lanes of sums whatever the rows) is not
+// paid back by one row. SmolLM2's linear layers, on a Xeon with AMX (issue 30), AMX's time over
+// VNNI's: one thread 1.51 at 1 row, 0.77 to 0.97 at 4, 0.78 at 5, 0.46 at 16; two threads 1.04
+// to 1.25 at 4 (where VNNI's batch path runs exactly one of its 4-row tiles), 0.9 at 5, 0.5
+// at 16.
+constexpr int64_t kAmxMinRows = 5;
 
 enum class Format { kQ4_1, kQ8_0 };
 
@@ -306,7 +316,7 @@ const Paths& paths(int isa) {
 #ifdef TQ_X86
   static const Paths avx2{&quantize_avx2, TQ_TILES(q4_1_avx2), TQ_TILES(q8_0_avx2)};
   static const Paths vnni{&quantize_avx2, TQ_TILES(q4_1_vnni), TQ_TILES(q8_0_vnni)};
-  if (isa == kVnni) return vnni;
+  if (isa == kVnni || isa == kAmx) return vnni;  // AMX quantizes as VNNI does
   if (isa == kAvx2) return avx2;
 #endif
   return scalar;
@@ -318,15 +328,19 @@ bool supported(int isa) {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (isa == kAvx2) return avx2;
-  if (isa == kVnni)
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  const bool vnni = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  if (isa == kVnni) return vnni;
+  if (isa == kAmx) return vnni && amx_refusal().empty();  // asks Linux for the tile state once
 #endif
   return false;
 }
 
 int best_isa() {
-  static const int best = supported(kVnni) ? kVnni : supported(kAvx2) ? kAvx2 : kScalar;
+  static const int best = supported(kAmx)    ? kAmx
+                          : supported(kVnni) ? kVnni
+                          : supported(kAvx2) ? kAvx2
+                                             : kScalar;
   return best;
 }
 
@@ -337,6 +351,13 @@ int current_isa() {
   return isa < 0 ? best_isa() : isa;
 }
 
+// The path of a call with m activation rows: the forced one, else the best, but VNNI rather
+// than AMX below kAmxMinRows.
+int isa_for_rows(int64_t m) {
+  const int isa = current_isa();
+  return isa == kAmx && g_isa.load(std::memory_order_relaxed) < 0 && m < kAmxMinRows ? kVnni : isa;
+}
+
 std::string set_isa(const std::string& name) {
   const int before = g_isa.load();
   const std::string previous = before < 0 ? "auto" : kIsaNames[before];
@@ -344,24 +365,26 @@ std::string set_isa(const std::string& name) {
     g_isa.store(-1);
     return previous;
   }
-  for (int isa = 0; isa < 3; ++isa) {
+  for (int isa = 0; isa < kNumIsas; ++isa) {
     if (name != kIsaNames[isa]) continue;
     TORCH_CHECK_VALUE(supported(isa), "set_isa: this CPU cannot run the ", name, " path");
     g_isa.store(isa);
     return previous;
   }
-  TORCH_CHECK_VALUE(false, "set_isa: isa must be auto, vnni, avx2 or scalar, got '", name, "'");
+  TORCH_CHECK_VALUE(false, "set_isa: isa must be auto, amx, vnni, avx2 or scalar, got '", name, "'");
   return previous;
 }
 
 std::vector<std::string> available_isas() {
   std::vector<std::string> out;
-  for (int isa = 2; isa >= 0; --isa)
+  for (int isa = kNumIsas - 1; isa >= 0; --isa)
     if (supported(isa)) out.emplace_back(kIsaNames[isa]);
   return out;
 }
 
 std::string isa_in_use() { return kIsaNames[current_isa()]; }
+
+std::string amx_refusal_op() { return amx_refusal(); }
 
 // ---------------------------------------------------------------------------------------------
 // The ops
@@ -420,7 +443,7 @@ at::Tensor quant_linear(const char* op, Format format, const at::Tensor& x_in, c
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
 
-  const int isa = current_isa();
+  const int isa = isa_for_rows(m);
   const Paths& p = paths(isa);
   std::unique_ptr<int8_t[]> q(new int8_t[m * k]);
   std::unique_ptr<float[]> ds(new float[2 * m * kb]);
@@ -438,6 +461,10 @@ at::Tensor quant_linear(const char* op, Format format, const at::Tensor& x_in, c
   // across threads that each do less than waking them costs.
   const int64_t grain = std::max<int64_t>(1, (32 * 1024) / (row_bytes * std::min<int64_t>(m, kMaxTile)));
 
+  if (isa == kAmx) {  // kernels/quant_linear_amx.cpp
+    amx_batch(format == Format::kQ4_1, acts, m, w, n, row_bytes, grain, out);
+    return y;
+  }
   // Batches on the SIMD paths: kernels/quant_linear_batch.cpp.
   if (packed_batch(format == Format::kQ4_1, isa, acts, m, w, n, row_bytes, sub, grain, out)) return y;
 
@@ -501,6 +528,7 @@ TORCH_LIBRARY(tandem_quant, m) {
   m.def("set_isa(str isa) -> str", &tq::set_isa);
   m.def("available_isas() -> str[]", &tq::available_isas);
   m.def("isa() -> str", &tq::isa_in_use);
+  m.def("amx_refusal() -> str", &tq::amx_refusal_op);
 }
 
 TORCH_LIBRARY_IMPL(tandem_quant, CPU, m) {

@@ -1,8 +1,8 @@
-// What the two halves of the quantized linear kernels share: kernels/quant_linear.cpp (the
-// activations' quantization, the per-block tile kernels, dispatch and the ops) and
-// kernels/quant_linear_batch.cpp (Q4_1 and Q8_0 batches over repacked weights). The design
-// notes are at the top of quant_linear.cpp; kernels/quant_linear.py gives the block layouts
-// and the math.
+// What the parts of the quantized linear kernels share: kernels/quant_linear.cpp (the
+// activations' quantization, the per-block tile kernels, dispatch and the ops),
+// kernels/quant_linear_batch.cpp (Q4_1 and Q8_0 batches over repacked weights) and
+// kernels/quant_linear_amx.cpp (the AMX int8 path). The design notes are at the top of
+// quant_linear.cpp; kernels/quant_linear.py gives the block layouts and the math.
 
 #pragma once
 
@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 namespace tq {
 
@@ -26,7 +27,7 @@ constexpr int64_t kMaxSubRows = 64;
 // Weight bytes per sub-chunk: re-read by every tile of activation rows, so kept within L1.
 constexpr int64_t kSubChunkBytes = 16 * 1024;
 
-enum Isa : int { kScalar = 0, kAvx2 = 1, kVnni = 2 };
+enum Isa : int { kScalar = 0, kAvx2 = 1, kVnni = 2, kAmx = 3 };
 
 // Quantized activations, row-major: q [M, K], d and s [M, K / 32] (s = d * sum(q), Q4_1 only).
 struct Acts {
@@ -56,6 +57,15 @@ void store_tile(const Output& out, const float* res, int mt, int64_t rows, int64
 bool packed_batch(bool q4, int isa, const Acts& a, int64_t m, const uint8_t* w, int64_t n, int64_t row_bytes,
                   int64_t sub, int64_t grain, const Output& out);
 
+// The AMX int8 path (quant_linear_amx.cpp), Q4_1 (q4) or Q8_0, any M: the threads split the N
+// outputs in groups of 16 with at::parallel_for(grain / 16). Only where amx_refusal() is empty.
+void amx_batch(bool q4, const Acts& a, int64_t m, const uint8_t* w, int64_t n, int64_t row_bytes, int64_t grain,
+               const Output& out);
+
+// Why this process cannot run the AMX path ("" when it can): the CPU lacks it, or Linux refused
+// the tile state. Asks Linux for it once per process, on the first call.
+const std::string& amx_refusal();
+
 #ifdef TQ_X86
 
 #define TQ_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -80,6 +90,25 @@ TQ_AVX2 inline __m256i unpack_q4(const uint8_t* blk) {
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
   const __m256i both = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// 8 vectors of 8 dwords, transposed in place: dword l of vector t <-> dword t of vector l.
+TQ_AVX2 inline void transpose8x8_epi32(__m256i* r) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
 }
 
 #endif  // TQ_X86

@@ -33,10 +33,13 @@ Ops: tandem::q4_1_linear(x, blocks, bias=None) and tandem::q8_0_linear(x, blocks
 torch.library custom ops with fake implementations (torch.compile traces them as opaque calls).
 Their Python implementation is the torch path below (the same math, vectorized: the integer
 sums as float32 batched matmuls, exact below 2**24), which any device runs; the C++ library
-(kernels/quant_linear.cpp, quant_linear_batch.cpp and quant_linear.h), once loaded, registers
-its kernels as the ops' CPU implementation. The C++ library holds an AVX-512 VNNI, an AVX2 and
-a portable path, picked from CPUID at run time; `set_isa` forces one (tests run each),
-`available_isas` lists what this CPU runs.
+(kernels/quant_linear.cpp, quant_linear_batch.cpp, quant_linear_amx.cpp and quant_linear.h),
+once loaded, registers its kernels as the ops' CPU implementation. The C++ library holds an AMX
+int8, an AVX-512 VNNI, an AVX2 and a portable path, picked from CPUID at run time ("auto": the
+fastest this CPU runs, except AMX only from a few activation rows on, VNNI below); `set_isa`
+forces one at every row count (tests run each), `available_isas` lists what this CPU runs. AMX
+also needs Linux to grant the process its tile state (asked once; where refused, a warning says
+why and VNNI runs).
 
 The C++ library is compiled on first use (kernels/cpp_build.py) into $TANDEM_CACHE_DIR (or
 ~/.cache/tandem)/torch_extensions/tandem_quant_linear/<key>; when that fails the ops run the
@@ -52,17 +55,18 @@ import torch
 
 from kernels import cpp_build
 
-# The kernels (quant_linear.cpp) and their batch path (quant_linear_batch.cpp), which
-# share quant_linear.h: ninja recompiles what includes it when it changes.
+# The kernels (quant_linear.cpp), their batch path (quant_linear_batch.cpp) and AMX path
+# (quant_linear_amx.cpp), which share quant_linear.h: ninja recompiles what includes it when it
+# changes.
 _DIR = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_DIR, "quant_linear.cpp"), os.path.join(_DIR, "quant_linear_batch.cpp")]
+_SOURCES = [os.path.join(_DIR, f) for f in ("quant_linear.cpp", "quant_linear_batch.cpp", "quant_linear_amx.cpp")]
 
 BLOCK = 32
 Q4_1_BYTES = 20
 Q8_0_BYTES = 34
-ISAS = ("vnni", "avx2", "scalar")
+ISAS = ("amx", "vnni", "avx2", "scalar")
 
-# Baseline flags: the files pick AVX2 / AVX-512 VNNI per function at run time.
+# Baseline flags: the files pick AVX2 / AVX-512 VNNI / AMX per function at run time.
 LIBRARY = cpp_build.Library("tandem_quant_linear", _SOURCES, "TANDEM_QUANT_LINEAR", "kernels.quant_linear", simd=False)
 available = LIBRARY.available
 build_info = LIBRARY.build_info
@@ -75,12 +79,21 @@ def available_isas() -> list[str]:
 
 def set_isa(isa: str) -> str:
     """Force the C++ path for every later call in this process ("auto": the fastest this CPU
-    runs); returns the previous setting. ValueError for a path the CPU cannot run."""
+    runs, AMX only from a few rows on); returns the previous setting. ValueError for a path
+    the CPU (or, for AMX, Linux) does not let this process run."""
     if not available():
         raise RuntimeError(
             f"kernels.quant_linear: no C++ library to pick a path of ({LIBRARY.info.get('error', 'disabled')})"
         )
     return torch.ops.tandem_quant.set_isa(isa)
+
+
+def amx_refusal() -> str:
+    """Why this process cannot run the AMX path ("" when it can): the CPU lacks AMX, Linux
+    refused the tile state, or there is no C++ library."""
+    if not available():
+        return f"no C++ library ({LIBRARY.info.get('error', 'disabled')})"
+    return torch.ops.tandem_quant.amx_refusal()
 
 
 def isa() -> str:

@@ -39,24 +39,6 @@ namespace {
 constexpr int64_t kGroup = 8;                                    // blocks per group
 constexpr int64_t kGroupBytes = kGroup * kBlock + 2 * kGroup * 4;  // 8 x 32 nibble bytes, 8 d, 8 m
 
-TQ_AVX2 inline void transpose8x8_epi32(__m256i* r) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
-  }
-}
-
 // Rows of Q4_1 blocks -> per row, ceil(KB / 8) groups of kGroupBytes; blocks past KB are zero.
 TQ_AVX2 void pack_q4_1(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t kb, uint8_t* out) {
   const int64_t groups = (kb + kGroup - 1) / kGroup;

@@ -1,11 +1,13 @@
 """`python -m benchmarks weight-kernels`: every kernel it times computes what its quantized
-weights stand for (so its figures compare like with like), and it writes its JSON and plot."""
+weights stand for (so its figures compare like with like), Tandem's Q4_1 kernel on each SIMD path
+this CPU runs among them, and it writes its JSON and plot."""
 
 from __future__ import annotations
 
 import json
 
 from benchmarks import cli
+from benchmarks.weight_kernels import _tandem_isas
 
 
 def _baseline(dtype_name: str) -> str:
@@ -35,7 +37,7 @@ def test_the_kernels_agree_with_their_weights_and_the_report_is_written(tmp_path
         (d, b, k)
         for d in ("float32", "bfloat16")
         for b in (1, 2)
-        for k in (_baseline(d), "int4 weight-only", "int8 weight-only")
+        for k in (_baseline(d), "int4 weight-only", "int8 weight-only", *(f"q4_1 {isa}" for isa in _tandem_isas()))
     }
     for r in rows:  # float32 math is exact to rounding; bfloat16 activations lose ~3 digits
         limit = 1e-4 if r["dtype"] == "float32" else 2e-2

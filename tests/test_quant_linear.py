@@ -1,8 +1,8 @@
 """kernels/quant_linear.py: the Q4_1 / Q8_0 linear ops on every instruction-set path this CPU
-runs, against float64 math over the same quantized weights and activations (tight), against
-x @ W.T over the dequantized weights (within the bound 8-bit activations allow), the torch
-path, SmolLM2's real GGUF blocks, argument errors and opcheck. The C++ library is built (or
-loaded from the Tandem cache) once per session."""
+runs (AMX, AVX-512 VNNI, AVX2, portable), against float64 math over the same quantized weights
+and activations (tight), against x @ W.T over the dequantized weights (within the bound 8-bit
+activations allow), the torch path, SmolLM2's real GGUF blocks, argument errors and opcheck. The
+C++ library is built (or loaded from the Tandem cache) once per session."""
 
 from __future__ import annotations
 
@@ -34,7 +34,10 @@ SHAPES = [(576, 192), (576, 576), (576, 1536), (1536, 192), (1536, 576), (1536, 
 CASES = [(m, *SHAPES[m % len(SHAPES)], m % 2 == 1) for m in range(1, 17)]
 CASES += [(17, 1536, 1536, True), (64, 1536, 576, False), (300, 576, 576, True)]
 CASES += [(6, 576, 203, True), (13, 1536, 99, False)]
-# What each path needs from the CPU, for the reason of a skip.
+# An odd number of blocks (K a multiple of 32, not of 64: the AMX path runs blocks in pairs) with
+# N not a multiple of 16 (AMX's groups of weight rows), below, at and past one AMX tile of rows.
+CASES += [(3, 608, 40, True), (16, 96, 17, False), (33, 544, 50, True)]
+# What each path needs from the CPU, for the reason of a skip (AMX's: amx_refusal's own words).
 NEEDS = {"vnni": "AVX-512 VNNI (avx512f, avx512bw, avx512vl, avx512_vnni)", "avx2": "AVX2 and FMA", "scalar": ""}
 
 
@@ -61,6 +64,8 @@ def isa(request):
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             pytest.skip("no C++ compiler")
         pytest.fail(f"the C++ library did not build: {ql.build_info().get('error')}")
+    if request.param == "amx" and ql.amx_refusal():
+        pytest.skip(f"no AMX path here: {ql.amx_refusal()}")
     if request.param not in ql.available_isas():
         pytest.skip(f"this CPU lacks {NEEDS[request.param]}")
     before = ql.set_isa(request.param)
@@ -208,6 +213,33 @@ def test_paths_agree(isa):
         finally:
             ql.set_isa(isa)
         torch.testing.assert_close(y, portable, atol=1e-4, rtol=1e-5)
+
+
+def test_amx_is_the_default_where_linux_grants_it():
+    """ "auto" runs AMX where this process may (from a few rows on; VNNI below), and AMX is
+    listed exactly when amx_refusal has no reason against it."""
+    if not ql.available():
+        pytest.skip("no C++ library")
+    assert ("amx" in ql.available_isas()) == (ql.amx_refusal() == "")
+    before = ql.set_isa("auto")
+    try:
+        assert ql.isa() == ql.available_isas()[0]
+    finally:
+        ql.set_isa(before)
+
+
+def test_threads_of_their_own(isa):
+    """Python threads calling the ops at once, each with its kernels' OpenMP threads (AMX: a
+    tile configuration per thread), give what one call alone gives."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    k, n = 576, 203
+    jobs = [(FORMATS[fmt][0], activations(m, k, torch.float32), weights(fmt, k, n)) for fmt in FORMATS for m in (5, 16)]
+    alone = [op(x, w) for op, x, w in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda job: job[0](job[1], job[2]), jobs * 3))
+    for i, y in enumerate(together):
+        assert torch.equal(y, alone[i % len(jobs)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
