@@ -57,6 +57,13 @@ ANALYTICS = {
 }
 
 
+def analytics_options(mode: str | None) -> dict:
+    """The options every Tandem camera gets under --analytics MODE ({} without)."""
+    if not mode:
+        return {}
+    return ANALYTICS if mode == "clips" else {k: v for k, v in ANALYTICS.items() if k != "clips"}
+
+
 def add_bench_streams_arguments(p) -> None:
     from tandem.cli import int_list
 
@@ -72,8 +79,12 @@ def add_bench_streams_arguments(p) -> None:
     p.add_argument("--tiny", action="store_true", help="a few seconds: 1 and 2 cameras (for the test)")
     p.add_argument(
         "--analytics",
-        action="store_true",
-        help="every Tandem camera tracked, with a line, a zone and event clips (compare with a run without)",
+        nargs="?",
+        const="clips",
+        choices=("clips", "no-clips"),
+        default=None,
+        help="every Tandem camera tracked, with a line, a zone and event clips (compare with a run without); "
+        "--analytics no-clips: the same without clips, to see the clips' share",
     )
     p.add_argument("--out", default="bench_out/streams")
 
@@ -226,9 +237,9 @@ def run_tandem(runtime, n: int, args, workdir: Path) -> dict:
     stamped = _StampedRuntime(runtime)
     records = _Records(stamped)
     clips_dir = workdir / f"clips_{n}"
-    analytics = ANALYTICS if args.analytics else {}
+    analytics = analytics_options(args.analytics)
     clips = None
-    if args.analytics:
+    if args.analytics == "clips":
         from workers.camera_clips import ClipConfig
 
         shutil.rmtree(clips_dir, ignore_errors=True)  # a previous run's clips are not this one's
@@ -397,7 +408,8 @@ def run_bench(args) -> int:
     print(f"load average before: {os.getloadavg()}", flush=True)
     print(
         f"cameras {counts} at {args.fps} fps, imgsz {args.imgsz}, bound p99 <= {args.bound_ms} ms, "
-        f"drops <= {args.max_drop:.1%}" + (f", Tandem with analytics {ANALYTICS}" if args.analytics else ""),
+        f"drops <= {args.max_drop:.1%}"
+        + (f", Tandem with analytics {analytics_options(args.analytics)}" if args.analytics else ""),
         flush=True,
     )
     report: dict = {
@@ -414,7 +426,7 @@ def run_bench(args) -> int:
             "duration_s": args.duration_s,
             "imgsz": args.imgsz,
             "tiny": args.tiny,
-            "analytics": ANALYTICS if args.analytics else None,
+            "analytics": analytics_options(args.analytics) or None,
         },
         "method": "frame number and camera stamped in the pixels; latency = result arrival (Unix time) "
         "minus the camera process's logged send time of that frame; a frame sent in the window "
@@ -468,7 +480,7 @@ def _plot(report: dict, args, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    tandem = "Tandem, line + zone + clips" if args.analytics else "Tandem"
+    tandem = {"clips": "Tandem, line + zone + clips", "no-clips": "Tandem, line + zone"}.get(args.analytics, "Tandem")
     for key, label in (("tandem", tandem), ("peer", "Ultralytics + ONNX Runtime")):
         rows = report[key].get("rows") or []
         if rows:
