@@ -61,7 +61,7 @@ def analytics_options(mode: str | None) -> dict:
     """The options every Tandem camera gets under --analytics MODE ({} without)."""
     if not mode:
         return {}
-    return ANALYTICS if mode == "clips" else {k: v for k, v in ANALYTICS.items() if k != "clips"}
+    return {k: v for k, v in ANALYTICS.items() if k != "clips"} if mode == "no-clips" else ANALYTICS
 
 
 def add_bench_streams_arguments(p) -> None:
@@ -239,7 +239,7 @@ def run_tandem(runtime, n: int, args, workdir: Path) -> dict:
     clips_dir = workdir / f"clips_{n}"
     analytics = analytics_options(args.analytics)
     clips = None
-    if args.analytics == "clips":
+    if analytics.get("clips"):
         from workers.camera_clips import ClipConfig
 
         shutil.rmtree(clips_dir, ignore_errors=True)  # a previous run's clips are not this one's

@@ -74,7 +74,7 @@ def test_analytics_gives_every_camera_a_line_a_zone_and_clips(tmp_path):
     from runtime.runtime import Runtime
     from runtime.vision.detector import WEIGHTS
 
-    args = argparse.Namespace(fps=5.0, warmup_s=0.5, duration_s=2.0, bound_ms=250.0, analytics=True)
+    args = argparse.Namespace(fps=5.0, warmup_s=0.5, duration_s=2.0, bound_ms=250.0, analytics="clips")
     with Runtime(vision={"model": str(WEIGHTS), "imgsz": 320, "device": "cpu"}) as runtime:
         row = run_tandem(runtime, 1, args, tmp_path)
     assert row["results"] > 0, "Tandem must run, not skip"
