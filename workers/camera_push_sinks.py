@@ -16,14 +16,13 @@ import http.client
 import json
 import logging
 import math
-import socket
 import ssl
 import threading
 import time
 from collections import deque
 
 from workers.retry import Backoff
-from workers.urlguard import CheckedUrl, UrlPolicy, check_url
+from workers.urlguard import CheckedUrl, UrlPolicy, check_url, pinned_connection
 
 log = logging.getLogger("tandem.cameras")
 
@@ -200,31 +199,18 @@ class WebhookSink(Sink):
 def _post(
     url: CheckedUrl, body: bytes, headers: dict, timeout_s: float, context: ssl.SSLContext | None
 ) -> tuple[int, str]:
-    """One POST to the checked address; (status, reason). Retry for what a later try may fix.
-    One deadline covers connecting to the last byte: a receiver that drips its answer a byte
-    at a time is cut off at it, as urlguard.fetch does."""
-    deadline = time.monotonic() + timeout_s
-    if url.scheme == "https":
-        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-            url.host, url.port, timeout=timeout_s, context=context or ssl.create_default_context()
-        )
-    else:
-        conn = http.client.HTTPConnection(url.host, url.port, timeout=timeout_s)
-    # Dial the addresses the guard checked (Host and SNI stay the name): no second lookup.
-    conn._create_connection = lambda _addr, t=None, src=None: _dial(url, deadline)
+    """One POST to the checked address (urlguard.pinned_connection: no second lookup, one
+    deadline from dialling to the last byte, as urlguard.fetch has); (status, reason). Retry
+    for what a later try may fix."""
     expired = threading.Event()
-    timer = None
     try:
-        conn.connect()
-        timer = threading.Timer(max(0.0, deadline - time.monotonic()), _expire, (conn.sock, expired))
-        timer.daemon = True
-        timer.start()
-        conn.request("POST", url.target, body=body, headers=headers)
-        resp = conn.getresponse()
-        resp.read(MAX_ANSWER_BYTES)
-        if expired.is_set():
-            raise TimeoutError
-        return resp.status, resp.reason
+        with pinned_connection(url, time.monotonic() + timeout_s, context, expired) as conn:
+            conn.request("POST", url.target, body=body, headers=headers)
+            resp = conn.getresponse()
+            resp.read(MAX_ANSWER_BYTES)
+            if expired.is_set():
+                raise TimeoutError
+            return resp.status, resp.reason
     except TimeoutError:
         raise Retry(f"no answer within {timeout_s:g} s") from None
     except ssl.SSLError as exc:  # a certificate that does not match: no retry fixes it
@@ -233,31 +219,6 @@ def _post(
         if expired.is_set():
             raise Retry(f"no answer within {timeout_s:g} s") from None
         raise Retry(f"{type(exc).__name__}: {exc}") from None
-    finally:
-        if timer is not None:
-            timer.cancel()
-        conn.close()
-
-
-def _dial(url: CheckedUrl, deadline: float) -> socket.socket:
-    error: OSError | None = None
-    for address in url.addresses:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        try:
-            return socket.create_connection((address, url.port), timeout=left)
-        except OSError as exc:
-            error = exc
-    raise error or OSError("no address")
-
-
-def _expire(sock: socket.socket, expired: threading.Event) -> None:
-    expired.set()
-    try:
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # ends a blocked read; not SSLSocket's
-    except OSError:
-        pass
 
 
 def public_url(url: str) -> str:

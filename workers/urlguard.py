@@ -52,6 +52,7 @@ Not covered: the time getaddrinfo itself takes (the system resolver's own timeou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import ipaddress
@@ -62,7 +63,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from workers.settings import env_numbers
@@ -442,51 +443,27 @@ def fetch(url: str, policy: UrlPolicy) -> bytes:
 
 def _get(url: CheckedUrl, policy: UrlPolicy, deadline: float) -> tuple[int, str, str | None, bytes]:
     """One GET: (status, reason, Location, body). The body is read only for a 2xx."""
-    https = url.scheme == "https"
-    timeout = _remaining_or_fail(deadline, policy)
-    if https:
-        context = policy.ssl_context or ssl.create_default_context()
-        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-            url.host, url.port, timeout=timeout, context=context
-        )
-    else:
-        conn = http.client.HTTPConnection(url.host, url.port, timeout=timeout)
-    # http.client dials through this hook (HTTPSConnection wraps the socket it returns with
-    # SNI and certificate checks for url.host): aimed at the checked addresses, the name
-    # still goes into Host and TLS, and no second lookup happens. Proxies in the environment
-    # are not used (http.client never reads them), so the checked address is the one dialled.
-    conn._create_connection = lambda _addr, t=None, src=None: _dial(url, deadline, policy)
     expired = threading.Event()
-    timer = None
     try:
-        conn.connect()
-        # One deadline for the whole answer: a server that drips a byte per socket timeout
-        # would otherwise hold the fetch for ever. Shutting the socket down ends any blocked
-        # read. socket.socket.shutdown, not SSLSocket's, which drops its TLS state under the
-        # reading thread.
-        sock = conn.sock
-        timer = threading.Timer(_remaining_or_fail(deadline, policy), _expire, (sock, expired))
-        timer.daemon = True
-        timer.start()
-        conn.request(
-            "GET", url.target, headers={"User-Agent": "tandem", "Accept": "image/*, */*;q=0.5", "Connection": "close"}
-        )
-        resp = conn.getresponse()
-        status, reason = resp.status, resp.reason
-        if not 200 <= status < 300:
-            return status, reason, resp.getheader("Location"), b""
-        length = resp.getheader("Content-Length")
-        if length and length.strip().isdigit() and int(length) > policy.max_bytes:
-            raise ValueError(f"url: the answer is larger than {policy.max_bytes} bytes (Content-Length {length})")
-        chunks, total = [], 0
-        while chunk := resp.read1(64 << 10):
-            total += len(chunk)
-            if total > policy.max_bytes:
-                raise ValueError(f"url: the answer is larger than {policy.max_bytes} bytes")
-            chunks.append(chunk)
-        if expired.is_set() or resp.length:  # cut by the deadline, or short of its Content-Length
-            raise TimeoutError if expired.is_set() else http.client.IncompleteRead(b"", resp.length)
-        return status, reason, None, b"".join(chunks)
+        with pinned_connection(url, deadline, policy.ssl_context, expired) as conn:
+            headers = {"User-Agent": "tandem", "Accept": "image/*, */*;q=0.5", "Connection": "close"}
+            conn.request("GET", url.target, headers=headers)
+            resp = conn.getresponse()
+            status, reason = resp.status, resp.reason
+            if not 200 <= status < 300:
+                return status, reason, resp.getheader("Location"), b""
+            length = resp.getheader("Content-Length")
+            if length and length.strip().isdigit() and int(length) > policy.max_bytes:
+                raise ValueError(f"url: the answer is larger than {policy.max_bytes} bytes (Content-Length {length})")
+            chunks, total = [], 0
+            while chunk := resp.read1(64 << 10):
+                total += len(chunk)
+                if total > policy.max_bytes:
+                    raise ValueError(f"url: the answer is larger than {policy.max_bytes} bytes")
+                chunks.append(chunk)
+            if expired.is_set() or resp.length:  # cut by the deadline, or short of its Content-Length
+                raise TimeoutError if expired.is_set() else http.client.IncompleteRead(b"", resp.length)
+            return status, reason, None, b"".join(chunks)
     except TimeoutError:
         raise ValueError(f"url: no complete answer within {policy.timeout_s:g} s (timed out)") from None
     except ssl.SSLError as exc:  # a certificate that does not match the name lands here
@@ -495,25 +472,55 @@ def _get(url: CheckedUrl, policy: UrlPolicy, deadline: float) -> tuple[int, str,
         if expired.is_set():
             raise ValueError(f"url: no complete answer within {policy.timeout_s:g} s (timed out)") from None
         raise ValueError(f"url: fetching from {url.host!r} failed: {type(exc).__name__}: {exc}") from None
+
+
+@contextlib.contextmanager
+def pinned_connection(
+    url: CheckedUrl, deadline: float, context: ssl.SSLContext | None, expired: threading.Event
+) -> Iterator[http.client.HTTPConnection]:
+    """An http.client connection to the addresses check_url checked, connected, with one
+    deadline (time.monotonic()) for everything from dialling to the last byte; closed on exit.
+    TimeoutError if the deadline passes before it connects.
+
+    http.client dials through `_create_connection` (HTTPSConnection wraps the socket it returns
+    with SNI and certificate checks for url.host): aimed at the checked addresses, the name still
+    goes into Host and TLS, and no second lookup happens. Proxies in the environment are not
+    used (http.client never reads them). Past the deadline the socket is shut down, which ends
+    any blocked read, and `expired` is set: a server that drips a byte per socket timeout would
+    otherwise hold the caller for ever. socket.socket.shutdown, not SSLSocket's, which drops its
+    TLS state under the reading thread."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    if url.scheme == "https":
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            url.host, url.port, timeout=left, context=context or ssl.create_default_context()
+        )
+    else:
+        conn = http.client.HTTPConnection(url.host, url.port, timeout=left)
+    conn._create_connection = lambda _addr, t=None, src=None: _dial(url, deadline)
+    timer = None
+    try:
+        conn.connect()
+        timer = threading.Timer(max(0.0, deadline - time.monotonic()), _expire, (conn.sock, expired))
+        timer.daemon = True
+        timer.start()
+        yield conn
     finally:
         if timer is not None:
             timer.cancel()
         conn.close()
 
 
-def _remaining_or_fail(deadline: float, policy: UrlPolicy) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise ValueError(f"url: no complete answer within {policy.timeout_s:g} s (timed out)")
-    return left
-
-
-def _dial(url: CheckedUrl, deadline: float, policy: UrlPolicy) -> socket.socket:
+def _dial(url: CheckedUrl, deadline: float) -> socket.socket:
     """A TCP connection to the first of url.addresses that answers."""
     error: OSError | None = None
     for address in url.addresses:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
         try:
-            return socket.create_connection((address, url.port), timeout=_remaining_or_fail(deadline, policy))
+            return socket.create_connection((address, url.port), timeout=left)
         except OSError as exc:
             error = exc
     raise error or OSError("no address")
