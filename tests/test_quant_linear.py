@@ -53,17 +53,23 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(params=ql.ISAS)
-def isa(request):
-    """Each C++ path in turn: skipped where there is no compiler, the library is turned off or
-    the CPU lacks the path's instructions, and a failure, not a silent comparison of the torch
-    path with itself, when the library does not build."""
+def require_library() -> None:
+    """Skip where there is no compiler or the library is turned off; fail where it does not
+    build (not a silent comparison of the torch path with itself)."""
     if ql.LIBRARY.mode() == "torch":
         pytest.skip("TANDEM_QUANT_LINEAR=torch")
     if not ql.available():
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             pytest.skip("no C++ compiler")
         pytest.fail(f"the C++ library did not build: {ql.build_info().get('error')}")
+
+
+@pytest.fixture(params=ql.ISAS)
+def isa(request):
+    """Each C++ path in turn: skipped where there is no compiler, the library is turned off or
+    the CPU lacks the path's instructions, and a failure, not a silent comparison of the torch
+    path with itself, when the library does not build."""
+    require_library()
     if request.param == "amx" and ql.amx_refusal():
         pytest.skip(f"no AMX path here: {ql.amx_refusal()}")
     if request.param not in ql.available_isas():
@@ -218,8 +224,7 @@ def test_paths_agree(isa):
 def test_amx_is_the_default_where_linux_grants_it():
     """ "auto" runs AMX where this process may (from a few rows on; VNNI below), and AMX is
     listed exactly when amx_refusal has no reason against it."""
-    if not ql.available():
-        pytest.skip("no C++ library")
+    require_library()
     assert ("amx" in ql.available_isas()) == (ql.amx_refusal() == "")
     before = ql.set_isa("auto")
     try:
