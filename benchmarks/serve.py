@@ -978,6 +978,8 @@ def _print(report: dict) -> None:
             f"TTFT p50 at {report['ttft_rate']:g}/s {_x(ttft)} "
             f"(target <= 1.0: {'meets' if ttft is not None and ttft <= 1.0 else 'misses'})"
         )
+        if tp < 1.3 or ttft is None or ttft > 1.0:
+            print("  what limits it: " + _limits_vs_vllm(report))
     if "output_tok_s_ratio_llamacpp" in report:
         prec = {r["name"]: r.get("precision_detail") for r in report["servers"]}
         print(
@@ -995,6 +997,30 @@ def _print(report: dict) -> None:
         for name, ratio in report["served_engine_ratio"].items():
             verdict = "target met" if ratio >= 0.90 else "target not met"
             print(f"{name} served/engine output tok/s: {ratio:.2f} (target >= 0.90: {verdict})")
+            row = next(r for r in report["servers"] if r["name"] == name)["throughput"]
+            if ratio < 0.90 and row.get("engine_itl_ms") and e.get("engine_itl_ms"):
+                print(
+                    f"  what limits it: the served engine's step {row['engine_itl_ms']:.1f} ms against "
+                    f"{e['engine_itl_ms']:.1f} ms alone (what shares its process and cores: the channel, the "
+                    f"HTTP loop); served TPOT p50 {row['tpot_p50_ms']:.1f} ms, so the path from step to client "
+                    f"adds {row['tpot_p50_ms'] - row['engine_itl_ms']:.1f} ms a token"
+                )
+
+
+def _limits_vs_vllm(report: dict) -> str:
+    """Whose time makes Tandem's served figures trail vLLM's: its engine's step (engine ITL,
+    from /metrics) against both servers' time per output token, and the first tokens' wait."""
+    by_name = {r["name"]: r for r in report["servers"]}
+    t, v = by_name["tandem"]["throughput"], by_name["vllm"]["throughput"]
+    parts = [f"TPOT p50 at rate inf: Tandem {_ms(t['tpot_p50_ms'])}, vLLM {_ms(v['tpot_p50_ms'])}"]
+    if t.get("engine_itl_ms") is not None and t["tpot_p50_ms"] is not None:
+        parts.append(
+            f"Tandem's engine step {t['engine_itl_ms']:.1f} ms of it (the HTTP path "
+            f"{t['tpot_p50_ms'] - t['engine_itl_ms']:.1f} ms)"
+        )
+    tl, vl = by_name["tandem"]["latency"], by_name["vllm"]["latency"]
+    parts.append(f"TTFT p50 at {tl['rate']}/s: Tandem {_ms(tl['ttft_p50_ms'])}, vLLM {_ms(vl['ttft_p50_ms'])}")
+    return "; ".join(parts)
 
 
 def _ms(value: float | None) -> str:

@@ -15,12 +15,24 @@ prompt lookup (llama-cpp-python's LlamaPromptLookupDecoding). `--prompts grounde
 prompts whose answers repeat their input (copy a passage, edit a function, answer from a
 text: benchmarks/grounded.py), chat-templated; `random` (the default) has nothing to look up,
 the case where speculation must not cost.
+
+`--avx2-only` runs both contestants on AVX2 code alone, for a CPU that has more: Tandem in a
+process where torch (ATEN_CPU_CAPABILITY=avx2), oneDNN (ONEDNN_MAX_CPU_ISA=AVX2), the C++ ops
+built for torch's level and the 4-bit kernel (set_isa("avx2")) are all capped there; llama.cpp
+must then be a build without AVX-512 (its system info, printed per row, says which it is). The
+CPU's caches and memory stay this CPU's, so it stands in for, not equals, an AVX2-only CPU.
+
+What limits the decode: Tandem's one-sequence decode step is timed beside its linear layers
+alone (runtime/llm/profile.py step_vs_floor at one row), so each Tandem row also says how much
+of a token is the weights' matmuls and how much the rest (attention, norms, RoPE, sampling, the
+step's Python), against llama.cpp's time per token.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -65,6 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="random",
         help="random token ids (nothing to look up), or grounded chat prompts whose answers repeat their input",
     )
+    p.add_argument(
+        "--avx2-only",
+        action="store_true",
+        help="cap Tandem (torch, oneDNN, the C++ ops, the 4-bit kernel) at AVX2; llama.cpp must be an AVX2 build",
+    )
     p.add_argument("--out", default="bench_out")
 
 
@@ -93,7 +110,7 @@ def _median_row(name: str, precision: str, runs: list[dict], extra: dict) -> dic
     }
 
 
-def run_tandem(spec: str, data: dict, threads: int, model: str | None = None) -> dict:
+def run_tandem(spec: str, data: dict, threads: int, model: str | None = None, kernel_isa: str | None = None) -> dict:
     """One sequence at a time through LLMEngine, its token times taken as each step streams them.
     `spec`: a dtype, "<dtype>-int4" for torch's 4-bit kernel, "<dtype>-gguf" for the GGUF's blocks."""
     import torch
@@ -125,6 +142,10 @@ def run_tandem(spec: str, data: dict, threads: int, model: str | None = None) ->
         )
     )
     load_s = time.perf_counter() - t
+    if kernel_isa is not None and quant == "gguf":
+        from kernels import quant_linear
+
+        quant_linear.set_isa(kernel_isa)
     if compiled:  # time the graph, not the eager steps served while it compiles
         engine.runner.graph.done.wait()
         if engine.runner.graph.failed:
@@ -145,10 +166,20 @@ def run_tandem(spec: str, data: dict, threads: int, model: str | None = None) ->
                 engine.step()
             runs.append({"prompt_tokens": len(prompt), "t0": t0, "token_times": times})
         stats = engine.scheduler.stats()
+        limits = None
+        if not speculative:  # one decode step beside its linear layers, at this prompt's context
+            from runtime.llm.profile import step_vs_floor
+
+            r = step_vs_floor(engine, num_seqs=1, context_len=data["limits_context"], repeats=max(3, min(50, n - 4)))
+            limits = {"step_ms": r["step_ms"], "linear_ms": r["linear_floor_ms"], "context": r["context_len"]}
     finally:
         engine.close()
     assert all(len(r["token_times"]) == n for r in runs), "every run must make exactly max_tokens tokens"
-    extra = {"load_s": load_s}
+    extra = {"load_s": load_s, "limits": limits}
+    if kernel_isa is not None and quant == "gguf":
+        from kernels import quant_linear
+
+        extra["kernel_isa"] = quant_linear.isa()
     if speculative:
         drafted, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
         extra["spec"] = {
@@ -164,6 +195,21 @@ def run_tandem(spec: str, data: dict, threads: int, model: str | None = None) ->
     precision += ", captured" if compiled else ""
     precision += ", n-gram speculation" if speculative else ""
     return _median_row(f"tandem {spec}", precision, runs[1:], extra)
+
+
+def _limits_line(row: dict, peer: dict | None) -> str:
+    """Where one Tandem token's time goes: its decode step, the linear layers' share of it, and
+    llama.cpp's whole time per token beside it."""
+    lim = row["limits"]
+    rest = lim["step_ms"] - lim["linear_ms"]
+    line = (
+        f"decode step {lim['step_ms']:.2f} ms at {lim['context']} tokens of context: linear layers "
+        f"{lim['linear_ms']:.2f} ms ({lim['linear_ms'] / lim['step_ms']:.0%}), the rest (attention, norms, "
+        f"RoPE, sampling, the step's Python) {rest:.2f} ms"
+    )
+    if peer is not None:
+        line += f"; llama.cpp {1000 / peer['decode_tokens_per_s']:.2f} ms a token in all"
+    return line
 
 
 def run_llamacpp(args, data: dict, threads: int, out: Path, lookup: int = 0) -> tuple[dict | None, str | None]:
@@ -198,11 +244,22 @@ def run_llamacpp(args, data: dict, threads: int, out: Path, lookup: int = 0) -> 
             return None, f"llama.cpp failed (exit {proc.returncode}); see {log}"
         res = json.loads(result.read_text())
     name = "llama.cpp + prompt lookup" if lookup else "llama.cpp"
-    row = _median_row(name, res["precision"], res["runs"], {"load_s": res["load_s"], "version": res["version"]})
+    extra = {"load_s": res["load_s"], "version": res["version"], "system_info": res.get("system_info")}
+    row = _median_row(name, res["precision"], res["runs"], extra)
     return row, None
 
 
+# Set before torch loads, in the process that runs Tandem: torch's kernels, oneDNN's and the
+# C++ ops built for torch's level (kernels/cpp_build.py) then run AVX2 code only.
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def run(args) -> int:
+    if args.avx2_only and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        if "torch" in sys.modules:  # too late to cap this process: run the benchmark in a fresh one
+            argv = [sys.executable, "-m", "benchmarks", "single", *sys.argv[sys.argv.index("single") + 1 :]]
+            return subprocess.run(argv, env={**os.environ, **AVX2_ENV}).returncode
+        os.environ.update(AVX2_ENV)
     import torch
 
     threads = args.threads or torch.get_num_threads()
@@ -216,7 +273,12 @@ def run(args) -> int:
         prompts = grounded_prompts(hf_dir, args.runs + 1)
     else:
         prompts = random_prompts(args.runs + 1, args.prompt_len, vocab, f"{args.seed}-single")
-    data = {"warmup": prompts[0], "prompts": prompts[1:], "max_tokens": args.max_tokens}
+    data = {
+        "warmup": prompts[0],
+        "prompts": prompts[1:],
+        "max_tokens": args.max_tokens,
+        "limits_context": statistics.median_low(len(p) for p in prompts[1:]),
+    }
     flags = cpu_flags()
     print(
         f"CPU flags: {flags}; {threads} threads; prompt {args.prompt_len} tokens, {args.max_tokens} generated, "
@@ -224,8 +286,9 @@ def run(args) -> int:
         flush=True,
     )
     rows = []
+    kernel_isa = "avx2" if args.avx2_only else None
     for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
-        rows.append(run_tandem(dtype, data, threads, args.model))
+        rows.append(run_tandem(dtype, data, threads, args.model, kernel_isa))
         print(f"  {rows[-1]['contestant']}: decode {rows[-1]['decode_tokens_per_s']:.1f} tok/s", flush=True)
     specs = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     peer, reason = run_llamacpp(args, data, threads, out)
@@ -274,6 +337,13 @@ def run(args) -> int:
                 f"{r['contestant']} / {ref['contestant']}: decode {r['decode_vs_llamacpp']:.2f}x "
                 f"(target >= {need}x: {met}), prefill {r['prefill_vs_llamacpp']:.2f}x"
             )
+            if met == "NOT met" and r.get("limits"):
+                print("  what limits it: " + _limits_line(r, ref))
+        if peer.get("system_info"):
+            print(f"llama.cpp's build: {peer['system_info']}")
+    for r in tandem:
+        if r.get("limits") and "decode_vs_llamacpp" not in r:
+            print(f"{r['contestant']}: " + _limits_line(r, None))
     report = {
         "cpu_flags": flags,
         "threads": threads,
@@ -283,6 +353,8 @@ def run(args) -> int:
         "runs": args.runs,
         "seed": args.seed,
         "llamacpp_reason": reason,
+        "avx2_only": args.avx2_only,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "prompts": args.prompts,
         "rows": rows,
     }

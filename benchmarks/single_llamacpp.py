@@ -23,7 +23,7 @@ def main() -> int:
     args = p.parse_args()
     with open(args.prompts_file) as f:
         data = json.load(f)
-    from llama_cpp import Llama, __version__
+    from llama_cpp import Llama, __version__, llama_print_system_info
 
     draft = {}
     if args.prompt_lookup > 0:  # llama-cpp-python's draftless speculation (n-gram prompt lookup)
@@ -58,6 +58,8 @@ def main() -> int:
         "version": __version__,
         "precision": "GGUF as shipped (Q4_1, 4-bit)" + (", prompt lookup" if args.prompt_lookup else ""),
         "load_s": load_s,
+        # The instruction sets this build of llama.cpp runs ("AVX2 = 1 | AVX512 = 0 | ...").
+        "system_info": llama_print_system_info().decode(errors="replace").strip(),
         "warmup": runs[0],
         "runs": runs[1:],
     }

@@ -88,7 +88,9 @@ def measure_steps(spec: str, batches: list[int], context: int, repeats: int) -> 
         ready_s = time.perf_counter() - t
         try:
             for b in tqdm(batches, desc=f"{spec} {mode}", unit="batch", file=sys.stderr, leave=False):
-                r = step_vs_floor(engine, num_seqs=b, context_len=context, repeats=repeats)
+                # Where the eager 16-sequence step's time goes, for the target's "what limits".
+                profile = 5 if eager and b == 16 else 0
+                r = step_vs_floor(engine, num_seqs=b, context_len=context, repeats=repeats, profile_steps=profile)
                 graph_steps = engine.runner.num_graph_steps
                 rows.append({"spec": spec, "mode": mode, "ready_s": ready_s, "graph_steps": graph_steps, **r})
                 print(
@@ -99,6 +101,28 @@ def measure_steps(spec: str, batches: list[int], context: int, repeats: int) -> 
         finally:
             engine.close()
     return rows
+
+
+# Ops that are the linear layers themselves (the floor), by their names in torch's profiler.
+_LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "tandem::q4_1_linear", "tandem::q8_0_linear")
+
+
+def _limits(ops: list[tuple[str, float]], top: int = 6) -> str:
+    """The ops outside the linear layers that take most of the eager step (profiled, self ms a
+    step), and the step's time outside every op."""
+
+    def is_linear(name: str) -> bool:
+        return name in _LINEAR_OPS or "_linear" in name or "onednn" in name
+
+    total = sum(ms for _, ms in ops)
+    outside = dict(ops).get("outside ops", 0.0)
+    linear = sum(ms for name, ms in ops if is_linear(name))
+    rest = [(name, ms) for name, ms in ops if not is_linear(name) and name != "outside ops"]
+    parts = ", ".join(f"{name} {ms:.2f} ms" for name, ms in rest[:top])
+    return (
+        f"under the profiler a step is {total:.1f} ms: linear ops {linear:.1f} ms, outside any op "
+        f"(Python, scheduling) {outside:.1f} ms; the largest other ops: {parts}"
+    )
 
 
 def measure_start(spec: str) -> dict:
@@ -160,6 +184,8 @@ def run(args) -> int:
             print(
                 f"target: {spec} 16-sequence step <= {goal}x its floor: {best:.2f}x, {'met' if best <= goal else 'NOT met'}"
             )
+            if best > goal and e.get("ops"):
+                print(f"  what limits it: {_limits(e['ops'])}")
     report = {
         "cpu_flags": flags,
         "threads": torch.get_num_threads(),

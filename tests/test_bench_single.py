@@ -36,3 +36,27 @@ def test_a_run_without_the_peer_reports_tandem_and_names_what_is_missing(tmp_pat
     assert [r["tokens"] for r in row["runs"]] == [6]
     assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0
     assert (tmp_path / "single.png").stat().st_size > 0
+    # What limits the decode: its step beside the linear layers alone, at the prompt's context.
+    limits = row["limits"]
+    assert limits["context"] == 16 and 0 < limits["linear_ms"] and 0 < limits["step_ms"]
+    assert "tandem float32: decode step" in stdout and "linear layers" in stdout
+
+
+def test_step_breakdown_lists_the_ops_of_a_decode_step(tiny_llama_dir):
+    from benchmarks.step import _limits
+    from runtime.llm.engine import EngineConfig, LLMEngine
+    from runtime.llm.profile import step_vs_floor
+
+    engine = LLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=4))
+    try:
+        r = step_vs_floor(engine, num_seqs=4, context_len=16, repeats=3, profile_steps=2)
+        assert not engine.has_unfinished()
+    finally:
+        engine.close()
+    names = [name for name, _ in r["ops"]]
+    assert names[-1] == "outside ops" and all(ms >= 0 for _, ms in r["ops"])
+    # The model's own ops are there: its linear layers and its attention.
+    assert any("linear" in n or "addmm" in n or n == "aten::mm" for n in names)
+    assert any("attention" in n for n in names), names[:20]
+    line = _limits(r["ops"])
+    assert "linear ops" in line and "outside any op" in line

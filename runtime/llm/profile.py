@@ -38,12 +38,19 @@ def profile_steps(engine, seed: int = 0) -> list[tuple[tuple[int, int], float]]:
     return run([short] * config.max_num_seqs, "batch") + run([longest], "long")
 
 
-def step_vs_floor(engine, num_seqs: int = 16, context_len: int = 128, repeats: int = 20, seed: int = 0) -> dict:
+def step_vs_floor(
+    engine, num_seqs: int = 16, context_len: int = 128, repeats: int = 20, seed: int = 0, profile_steps: int = 0
+) -> dict:
     """A decode step at `num_seqs` running sequences of about `context_len` tokens, beside its
     floor: the model's linear layers alone, run one after another on `num_seqs` rows of
     random input with the same weights (the matmuls a decode step cannot avoid; everything
     else, attention, norms, RoPE, sampling, scheduling, is overhead over it). Medians of
-    `repeats` runs, in milliseconds. The engine must be idle; it is idle again afterwards."""
+    `repeats` runs, in milliseconds. The engine must be idle; it is idle again afterwards.
+
+    With `profile_steps` > 0, that many more steps run under torch's profiler, and "ops" lists
+    where a step's time goes: each op's own (self) CPU time per step, largest first, and
+    "outside ops" for the step's time that no op accounts for (Python, the scheduler, waits).
+    The profiler adds its own cost per op, so read these as shares, not as step times."""
     import statistics
 
     import torch
@@ -70,6 +77,7 @@ def step_vs_floor(engine, num_seqs: int = 16, context_len: int = 128, repeats: i
             steps.append(time.perf_counter() - t0)
             if engine.last_step_shape != (num_seqs, num_seqs):
                 raise RuntimeError(f"a timed step ran {engine.last_step_shape} (requests, tokens), not pure decode")
+        ops = _profile_ops(engine, profile_steps) if profile_steps > 0 else None
     finally:
         for rid in ids:
             engine.abort(rid)
@@ -106,4 +114,20 @@ def step_vs_floor(engine, num_seqs: int = 16, context_len: int = 128, repeats: i
         "linear_floor_ms": floor_ms,
         "ratio": step_ms / floor_ms,
         "num_linear_layers": len(linears),
+        **({"ops": ops} if ops is not None else {}),
     }
+
+
+def _profile_ops(engine, steps: int) -> list[tuple[str, float]]:
+    """[(op, self ms per step)] over `steps` decode steps under torch's profiler, largest
+    first, the time outside every op last ("outside ops")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    per_op = {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
+    ops = sorted(((k, ms) for k, ms in per_op.items() if ms > 0), key=lambda kv: -kv[1])
+    return ops + [("outside ops", max(0.0, wall_ms - sum(per_op.values())))]
