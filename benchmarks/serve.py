@@ -19,6 +19,12 @@ Checked against `vllm bench serve` on one vLLM server within minutes: TTFT p50 a
 188 ms here against its 194 ms; at rate inf 157 to 166 tok/s here against its 117, its client
 (tokenizer and all) taking a larger share of a 2-core machine.
 
+`--client vllm` runs every phase through `vllm bench serve` instead (vLLM's own client, from
+the vLLM venv: what vLLM users read), on its random dataset at the same lengths, one seed per
+phase and run, the same seeds for every server; its per-request record (`--save-detailed`) is
+summarized as this client's, so the rows read alike. The engine row still runs this module's
+token-id prompts, of the same lengths.
+
 The servers run one after the other, never together: on a 2-core machine the second would
 measure the first. Tandem runs as in production (a private redis-server, one `tandem worker`,
 `tandem serve`), or `tandem serve --embedded` (its Runtime in an engine process of its own; with
@@ -176,6 +182,13 @@ def add_bench_serve_arguments(p) -> None:
         default=None,
         help="the model name both servers serve (default: Tandem's own; vLLM: SmolLM2-135M-Instruct "
         "or the --model folder's name)",
+    )
+    p.add_argument(
+        "--client",
+        choices=["own", "vllm"],
+        default="own",
+        help="the load generator: this module's (token-id prompts) or `vllm bench serve` from the vLLM venv "
+        "(--vllm-python; its random dataset at the same lengths and seed for every server)",
     )
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds a server may take to list a model")
     p.add_argument("--request-timeout", type=float, default=600, help="seconds a stream may stay silent")
@@ -554,7 +567,15 @@ def bench_server(server: Server, args, datasets: dict) -> dict:
     """Warm-up, then the throughput phase, then the latency phase, on one ready server.
     `datasets`: the warm-up's prompts, and a list of prompt lists per run of each phase."""
 
-    def run(prompts: list[list[int]], rate: float, seed: int, desc: str) -> tuple[list[RequestResult], float, float]:
+    # vLLM's client draws its own random prompts from its seed: one seed per phase and run, as
+    # this module's datasets have, so that no prefix cache serves one run from another's prompts.
+    phase_seed = {"warm-up": 2_000_000, "throughput": 0, "latency": 1_000_000}
+
+    def run(
+        prompts: list[list[int]], rate: float, seed: int, desc: str, phase: str = "warm-up"
+    ) -> tuple[list[RequestResult], float, float]:
+        if args.client == "vllm":
+            return run_vllm_client(server, args, len(prompts), rate, seed + phase_seed[phase], f"{server.name} {desc}")
         cpu0 = time.process_time()
         results, wall = asyncio.run(
             run_phase(
@@ -585,7 +606,7 @@ def bench_server(server: Server, args, datasets: dict) -> dict:
         runs = []
         for k, prompts in enumerate(datasets[phase]):
             desc = f"rate {rate:g}" + (f" run {k + 1}/{len(datasets[phase])}" if len(datasets[phase]) > 1 else "")
-            results, wall, cpu = run(prompts, rate, args.seed + k, desc)
+            results, wall, cpu = run(prompts, rate, args.seed + k, desc, phase)
             summary = summarize(results, wall, args.output_len)
             engine_itl = itl.after(summary["output_tokens"])
             runs.append({"rate": _json_rate(rate), "client_cpu_s": cpu, "engine_itl_ms": engine_itl, **summary})
@@ -597,6 +618,56 @@ def bench_server(server: Server, args, datasets: dict) -> dict:
         }
     report["load_avg_after"] = os.getloadavg()[0]
     return report
+
+
+VLLM_CLI = Path(__file__).resolve().with_name("vllm_cli.py")
+
+
+def run_vllm_client(
+    server: Server, args, num_prompts: int, rate: float, seed: int, desc: str
+) -> tuple[list[RequestResult], float, float]:
+    """One phase through `vllm bench serve` (vLLM's own client, in its venv): its random dataset
+    of --input-len / --output-len tokens (seeded: the same prompts for every server), ignore_eos,
+    /v1/completions. Its per-request record (--save-detailed) becomes this module's results, so
+    both clients' phases are summarized alike; the seconds are its own benchmark duration and the
+    CPU seconds its process's."""
+    import resource
+    import tempfile
+
+    print(f"  vllm bench serve: {desc}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [args.vllm_python, str(VLLM_CLI), "bench", "serve", "--backend", "openai", "--base-url", server.url]
+        cmd += ["--endpoint", "/v1/completions", "--model", server.model, "--tokenizer", args.hf_dir]
+        cmd += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
+        cmd += ["--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts)]
+        cmd += ["--request-rate", "inf" if rate == float("inf") else f"{rate:g}", "--ignore-eos", "--seed", str(seed)]
+        cmd += ["--save-result", "--save-detailed", "--result-dir", tmp, "--result-filename", "r.json"]
+        cmd += ["--disable-tqdm"]
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.request_timeout * 4)
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        path = Path(tmp) / "r.json"
+        if done.returncode != 0 or not path.exists():
+            raise ServerFailed(f"vllm bench serve exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
+        res = json.loads(path.read_text())
+    results = [
+        RequestResult(
+            ok=not err,
+            error=err or "",
+            start=start,
+            ttft=ttft or 0.0,
+            e2e=latency or 0.0,
+            itl=list(itl or []),
+            output_tokens=out,
+            has_usage=True,  # its own count (the server's usage, else its tokenizer's)
+        )
+        for err, start, ttft, latency, itl, out in zip(
+            res["errors"], res["start_times"], res["ttfts"], res["latencies"], res["itls"], res["output_lens"]
+        )
+    ]
+    cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
+    return results, res["duration"], cpu
 
 
 def _metrics_totals(url: str) -> tuple[float, float, float] | None:
@@ -814,6 +885,12 @@ def run_bench_serve(args) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     hf_dir, vocab_size = model_dir(args.model)
+    args.hf_dir = hf_dir  # the tokenizer `vllm bench serve` reads
+    if args.client == "vllm" and not (args.vllm_python and os.path.exists(args.vllm_python)):
+        print(
+            f"tandem bench serve: --client vllm needs vLLM's Python (--vllm-python {args.vllm_python})", file=sys.stderr
+        )
+        return 2
     served = args.served_model_name or (DEFAULT_SERVED_NAME if args.model is None else Path(hf_dir).name)
     n = args.num_prompts
     # String seeds give each phase and run its own prompts, the same for both servers, so that
@@ -903,6 +980,7 @@ def _report(
         "repeats": args.repeats,
         "seed": args.seed,
         "model_dir": hf_dir,
+        "client": args.client,
         "tandem_mode": "url"
         if args.tandem_url
         else "embedded (engine process)"

@@ -254,6 +254,67 @@ def test_run_bench_serve_against_a_running_server_writes_json_and_plot(tmp_path,
     assert "what limits it: TPOT p50 at rate inf: Tandem" in printed and "TTFT p50 at 50.0/s" in printed
 
 
+FAKE_VLLM_CLIENT = """
+import json, sys
+argv = sys.argv[2:]  # [vllm_cli.py, "bench", "serve", ...]: the flags after the subcommand
+assert argv[:2] == ["bench", "serve"], argv
+flag = lambda name: argv[argv.index(name) + 1]
+with open(sys.argv[0] + ".calls", "a") as f:
+    f.write(json.dumps(argv) + "\\n")
+n, out_len = int(flag("--num-prompts")), int(flag("--random-output-len"))
+ok = [k != 1 for k in range(n)]  # the second request fails, as a dead stream would
+json.dump(
+    {
+        "duration": 2.0,
+        "errors": ["" if good else "Connection reset" for good in ok],
+        "start_times": [0.01 * k for k in range(n)],
+        "ttfts": [0.05 if good else 0.0 for good in ok],
+        "latencies": [0.05 + 0.01 * (out_len - 1) if good else 0.0 for good in ok],
+        "itls": [[0.01] * (out_len - 1) if good else [] for good in ok],
+        "output_lens": [out_len if good else 0 for good in ok],
+    },
+    open(flag("--result-dir") + "/" + flag("--result-filename"), "w"),
+)
+"""
+
+
+def test_vllm_client_runs_each_phase_on_its_own_seed_and_is_summarized_alike(tmp_path, monkeypatch, capsys):
+    # `--client vllm`: each phase through `vllm bench serve` (here a stand-in with its CLI and
+    # its --save-detailed record), its requests summarized as this module's own client's.
+    monkeypatch.setattr(bs, "model_dir", lambda model: (str(tmp_path), 5000))
+    fake = tmp_path / "vllm-python"
+    fake.write_text(f"#!{sys.executable}\n" + FAKE_VLLM_CLIENT)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    with FakeOpenAI(first_s=0.01, gap_s=0.001, models=("SmolLM2-135M-Instruct",)) as server:
+        argv = ["--tandem-url", server.url, "--skip-vllm", "--skip-llamacpp", "--client", "vllm"]
+        argv += ["--vllm-python", str(fake), "--num-prompts", "5", "--input-len", "16", "--output-len", "4"]
+        argv += ["--num-warmup", "2", "--repeats", "2", "--out", str(out)]
+        assert bs.main(argv) == 0
+        assert server.bodies == []  # every request went through the client, none from this module
+    calls = [json.loads(line) for line in (tmp_path / "vllm-python.calls").read_text().splitlines()]
+    flag = lambda call, name: call[call.index(name) + 1]  # noqa: E731
+    assert [flag(c, "--num-prompts") for c in calls] == ["2", "5", "5", "5", "5"]  # warm-up, 2 + 2 runs
+    assert [flag(c, "--request-rate") for c in calls] == ["inf", "inf", "inf", "2", "2"]
+    assert len({flag(c, "--seed") for c in calls}) == 5  # no run sees another's prompts
+    assert all(flag(c, "--base-url") == server.url and flag(c, "--random-input-len") == "16" for c in calls)
+    assert all(flag(c, "--tokenizer") == str(tmp_path) and "--ignore-eos" in c for c in calls)
+    report = json.loads((out / "serve.json").read_text())
+    assert report["client"] == "vllm"
+    (row,) = report["servers"]
+    t = row["throughput"]
+    assert t["num_ok"] == 4 and t["num_failed"] == 1 and t["errors"] == ["Connection reset"]
+    assert t["output_tokens"] == 16 and t["output_tok_s"] == pytest.approx(8.0)  # 16 tokens in its 2.0 s
+    assert t["ttft_p50_ms"] == pytest.approx(50) and t["tpot_p50_ms"] == pytest.approx(10)
+    assert "vllm bench serve: tandem rate inf" in capsys.readouterr().out
+
+
+def test_vllm_client_needs_vllms_python(tmp_path, capsys):
+    argv = ["--tandem-url", "http://127.0.0.1:9", "--client", "vllm", "--vllm-python", str(tmp_path / "none")]
+    assert bs.main(argv + ["--out", str(tmp_path)]) == 2
+    assert "--client vllm needs vLLM's Python" in capsys.readouterr().err
+
+
 def test_bad_flags_exit_2(capsys):
     assert bs.main(["--input-len", "1000", "--output-len", "100", "--max-model-len", "1024", "--skip-vllm"]) == 2
     assert bs.main(["--ttft-rate", "0"]) == 2
