@@ -1081,7 +1081,9 @@ def _print(report: dict) -> None:
                     f"  what limits it: the served engine's step {row['engine_itl_ms']:.1f} ms against "
                     f"{e['engine_itl_ms']:.1f} ms alone (what shares its process and cores: the channel, the "
                     f"HTTP loop); served TPOT p50 {row['tpot_p50_ms']:.1f} ms, so the path from step to client "
-                    f"adds {row['tpot_p50_ms'] - row['engine_itl_ms']:.1f} ms a token"
+                    f"adds {row['tpot_p50_ms'] - row['engine_itl_ms']:.1f} ms a token; the client took "
+                    f"{row['client_cpu_s'] / max(row['seconds'], 1e-9):.2f} of {os.cpu_count()} cores during the "
+                    f"phase (the engine row runs without one)"
                 )
 
 
