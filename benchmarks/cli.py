@@ -37,6 +37,7 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--sizes", type=int_list, default=[256, 1024])
     p.add_argument("--policies", type=lambda v: tuple(v.split(",")), default=("fcfs", "fair"))
+    p.add_argument("--repeats", type=int, default=5, help="alternated runs of each policy per row (medians)")
     p.add_argument("--out", default="bench_out")
     p = bench.add_parser("fairness", help="each tenant's service over steps, FCFS against fair (VTC), no model")
     add_fairness(p)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
     if args.bench == "scheduler":
         from benchmarks.scheduler import run
 
-        run(tuple(args.sizes), args.steps, args.out, args.policies)
+        run(tuple(args.sizes), args.steps, args.out, args.policies, args.repeats)
         return 0
     if args.bench == "fairness":
         from benchmarks.fairness import run as run_fairness

@@ -145,10 +145,15 @@ class WaitingQueue:
     def remove(self, req: Request) -> None:
         self._tiers[req.is_batch].remove(req)
 
-    def tenants(self, batch: bool = True) -> set[str]:
-        """Under "fair": the tenants with a waiting interactive request, or (`batch`) any."""
-        out = self._tiers[0].tenants()
-        return out | self._tiers[1].tenants() if batch else out
+    def tenants(self, batch: bool = True):
+        """Under "fair": the tenants with a waiting interactive request, or (`batch`) any; an
+        iterable that may name a tenant twice (once per tier), read without building a set."""
+        first = self._tiers[0].tenants()
+        return itertools.chain(first, self._tiers[1].tenants()) if batch else first
+
+    def demand_total(self) -> int:
+        """Under "fair": the tokens of every waiting tenant's head request, together."""
+        return self._tiers[0].demand_total() + self._tiers[1].demand_total()
 
     def demands(self) -> dict[str, int]:
         """Under "fair": each waiting tenant's head request's tokens."""
@@ -428,11 +433,15 @@ class ContinuousBatchScheduler:
         """Policy "fair": split what the decodes left of the budget between the tenants that
         want prefill (running prefills, and each waiting tenant's next request), and order the
         running prefills by counter, lowest first; None when the budget covers every demand."""
+        # The total first, without a dict per tenant: most steps' demands fit the budget.
+        total = self.waiting.demand_total()
+        for req in prefilling:
+            total += req.num_tokens - req.num_computed_tokens
+        if total <= step.budget:
+            return None  # everyone gets all it asks for: nothing to split
         demands = self.waiting.demands()
         for req in prefilling:
             demands[req.tenant] = demands.get(req.tenant, 0) + req.num_tokens - req.num_computed_tokens
-        if sum(demands.values()) <= step.budget:
-            return None  # everyone gets all it asks for: nothing to split
         value = self.tenants.value
         prefilling.sort(key=lambda r: value(r.tenant))
         return self.tenants.shares(demands, step.budget)
@@ -487,17 +496,6 @@ class ContinuousBatchScheduler:
         self._preempt(step, max(victims, key=self._victim_key))
         return True
 
-    def _share_held_for_others(self, req: Request, skip: set[str] | None) -> bool:
-        """Under "fair": admitting `req` would take its tenant past its share of the slots
-        while another tenant below its share waits (in req's tier or a better one)."""
-        tenants, slots = self.tenants, self.config.max_num_seqs
-        if not tenants.slot_shares or tenants.within_share(req.tenant, 1 + len(req.followers), slots):
-            return False
-        others = self.waiting.tenants(req.is_batch) - {req.tenant}
-        if skip:
-            others -= skip
-        return any(tenants.within_share(t, 1, slots) for t in others)
-
     def _preempt(self, step: _Step, victim: Request) -> None:
         self.running.remove(victim)
         plan = step.plan
@@ -531,14 +529,29 @@ class ContinuousBatchScheduler:
         threshold = self.config.long_prefill_token_threshold
         # Slots held for the followers of leaders still prefilling: they join at their fork.
         held = sum(len(r.followers) for r in self._leaders) if self._leaders else 0
+        tenants = self.tenants
         shares, skip, made_room_for = step.shares, None, None
         while len(waiting) and step.budget > 0:
+            if (
+                made_room_for is None
+                and len(running) + held >= max_seqs
+                and not table.num_batch
+                and (tenants is None or not tenants.any_over_share(max_seqs))
+            ):
+                # No slot, and nothing `_make_room` could free (no running batch request, no
+                # tenant over its share): whoever the queue would put first breaks below. Said
+                # here once, instead of after the peeks and share checks of every tenant.
+                break
             # After a preemption made room for a request, that request, not whoever the queue
             # puts first now (the victim, pushed back to the front, may win a tie).
             req, made_room_for = (made_room_for, None) if made_room_for is not None else (waiting.peek(skip), None)
             if req is None:
                 break  # under "fair", every waiting tenant has used its share of the budget
-            if self.tenants is not None and self._share_held_for_others(req, skip):
+            # Under "fair": admitting `req` would take its tenant past its share of the slots
+            # while another tenant below its share waits (in req's tier or a better one).
+            if tenants is not None and tenants.share_held(
+                req.tenant, 1 + len(req.followers), max_seqs, waiting.tenants(req.is_batch), skip
+            ):
                 skip = (skip or set()) | {req.tenant}
                 continue
             if len(running) + held + 1 + len(req.followers) > max_seqs:

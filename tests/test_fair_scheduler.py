@@ -10,7 +10,7 @@ import pytest
 from scheduler_harness import MirrorRunner, check_invariants
 
 from runtime.block_pool import BlockPool
-from schedulers import ContinuousBatchScheduler, Request, SchedulerConfig, StopCriteria
+from schedulers import ContinuousBatchScheduler, Request, SchedulerConfig, StepResult, StopCriteria
 from schedulers.fair import INPUT_WEIGHT, OUTPUT_WEIGHT, PrefillShares
 
 BLOCK_SIZE = 4
@@ -184,6 +184,72 @@ def test_counters_charge_exactly_the_service_the_plans_show():
         assert sched.tenants.counters["b"] == service.total.get("b", 0.0) / 2
     assert not sched.has_unfinished() and sched.table.num_preemptions == 0
     assert sched.table.pool.num_cache_hits > 0
+
+
+def test_the_books_kept_for_speed_match_a_recount_every_step():
+    """The fair scheduler keeps running books instead of recounting at every admission: the
+    active tenants' total weight (summed again only when a tenant becomes active or idle), the
+    waiting tenants per tier, the waiting heads' tokens. Through arrivals in bursts (tenants go
+    idle and come back), priorities, both tiers, n > 1, preemptions (a small pool) and aborts,
+    each is checked against a recount from the requests themselves, before and after every step."""
+    rng = random.Random(5)
+    weights = {"a": 0.5, "b": 2.0, "c": 3.0}  # sums of these are exact: no rounding to tell apart
+    slots = 6
+    sched = make(num_blocks=40, max_num_seqs=slots, max_num_batched_tokens=24, policy="fair", tenant_weights=weights)
+    tenants = ["a", "b", "c", "d"]
+
+    def recount() -> None:
+        waiting = list(sched.waiting)
+        assert set(sched.waiting.tenants()) == {r.tenant for r in waiting}
+        assert set(sched.waiting.tenants(batch=False)) == {r.tenant for r in waiting if not r.is_batch}
+        assert sched.waiting.demand_total() == sum(sched.waiting.demands().values())
+        active = {r.tenant for r in sched.table.requests.values()}
+        total = sum(weights.get(t, 1.0) for t in active)
+        for t in tenants:
+            running = sum(r.tenant == t for r in sched.running)
+            assert sched.tenants.num_running.get(t, 0) == running
+            share = slots / total * weights.get(t, 1.0) if total else 0.0
+            assert sched.tenants.within_share(t, 1, slots) == (running + 1 <= share + 1e-9), (t, running, share)
+
+    n = 0
+    seen = {"idle": 0, "preempted": 0, "aborted": 0, "forked": 0}
+    for t in range(400):
+        burst = tenants[(t // 40) % len(tenants) :][:2]  # two tenants at a time, in turn
+        for tenant in burst:
+            if rng.random() < 0.3:
+                choices = [
+                    req(
+                        f"{tenant}{n}#{k}",
+                        rng.randrange(2, 20),
+                        rng.randrange(1, 12),
+                        tenant,
+                        arrival=float(t),
+                        priority=rng.choice([0, 0, 1]),
+                        tier=rng.choice(["interactive", "interactive", "batch"]),
+                    )
+                    for k in range(rng.choice([1, 1, 1, 2]))
+                ]
+                for c in choices[1:]:  # the same prompt for every choice, as the engine sends it
+                    c.prompt_token_ids, c.token_ids = choices[0].prompt_token_ids, list(choices[0].token_ids)
+                choices[0].followers = choices[1:]
+                sched.add_request(choices[0])
+                n += 1
+        waiting = [r.request_id for r in sched.waiting]
+        if waiting and rng.random() < 0.1:  # often behind its tenant's head
+            seen["aborted"] += sched.abort(rng.choice(waiting))
+        if sched.table.requests and rng.random() < 0.05:
+            seen["aborted"] += sched.abort(rng.choice(sorted(sched.table.requests)))
+        recount()
+        plan = sched.schedule(float(t))
+        # A runner of its own (MirrorRunner, and check_invariants' block count, know no forks):
+        # every sampling row gets a token; the pool checks its own books.
+        out = sched.update(plan, StepResult([[7] if sample else [] for sample in plan.sample]))
+        sched.table.pool.check_invariants()
+        recount()
+        seen["idle"] += sum(1 for k in sched.tenants.num_unfinished.values() if k == 0)
+        seen["preempted"] += out.num_preempted
+        seen["forked"] += len(plan.forks)
+    assert all(seen.values()), seen  # every path the books follow was taken
 
 
 def test_prefill_shares_are_max_min_fair_by_weight():
