@@ -24,7 +24,7 @@ demo: $(STAMP)
 # broker), and the camera page's test drives a real headless Chromium through its matching
 # chromedriver: apt packages pip cannot put in .venv.
 APT_NEEDS := $(if $(shell command -v redis-server),,redis-server) \
-	$(if $(shell command -v mosquitto),,mosquitto) \
+	$(if $(shell command -v mosquitto || test -x /usr/sbin/mosquitto && echo /usr/sbin/mosquitto),,mosquitto) \
 	$(if $(shell command -v chromium),,chromium) $(if $(shell command -v chromedriver),,chromium-driver)
 # Two pytest processes (pytest-xdist): alone, one left a core idle 40% of the time, its tests
 # mostly waiting on one Python thread or on a process they started. tests/conftest.py keeps each

@@ -8,6 +8,7 @@ chosen frames: the analytics themselves are tests/test_camera_analytics.py's."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -355,3 +356,100 @@ def test_a_clip_that_cannot_be_written_is_counted_and_the_writer_goes_on(tmp_pat
     writer.close()
     thread.join(SAFETY_S)
     assert not thread.is_alive() and cam.failed == 1 and cam.written == 0
+
+
+def _write_clip(tmp_path, jpegs: list[bytes]) -> tuple[str, camera_clips.CameraClips]:
+    """A clip of `jpegs` (a 20 fps camera's last frames) written by a writer thread; its path."""
+    writer = ClipWriter(ClipConfig(str(tmp_path)))
+    cam = writer.camera("c", 10.0, 0.0)
+    now = time.monotonic()
+    for i, jpeg in enumerate(jpegs):
+        cam.ring.add(Frame("x", i, timestamp=now - len(jpegs) / FPS + i / FPS), jpeg)
+    path = writer.trigger(cam, now, time.time())
+    thread = threading.Thread(target=writer.run)
+    thread.start()
+    writer.close()
+    thread.join(SAFETY_S)
+    assert not thread.is_alive() and cam.written == 1 and cam.failed == 0, cam.stats()
+    return path, cam
+
+
+def clip_packets(path: str) -> list[bytes]:
+    """The MP4's frames as stored (no decoding)."""
+    cap = cv2.VideoCapture(path)
+    cap.set(cv2.CAP_PROP_FORMAT, -1)
+    out = []
+    while True:
+        ok, packet = cap.read()
+        if not ok:
+            break
+        out.append(packet.reshape(-1).tobytes())
+    cap.release()
+    return out
+
+
+def test_a_clip_holds_the_cameras_jpegs_as_they_came_without_decoding_them(tmp_path, monkeypatch):
+    if getattr(cv2, "VIDEOWRITER_PROP_RAW_VIDEO", None) is None:
+        pytest.skip("this OpenCV has no raw video writer: clips are decoded and encoded as mp4v")
+    jpegs = encode([stamp(f, 0, i) for i, f in enumerate(synthetic_frames(30, seed=5))])
+    decodes = []
+    imdecode = cv2.imdecode
+    monkeypatch.setattr(cv2, "imdecode", lambda *a: decodes.append(1) or imdecode(*a))
+    path, _ = _write_clip(tmp_path, jpegs)
+    assert clip_packets(path) == jpegs, "the camera's JPEGs, byte for byte"
+    assert not decodes, "no frame was decoded to write the clip"
+    assert read_clip(path)[0] == list(range(30))
+
+
+def test_a_frame_of_another_size_is_resized_into_the_clip(tmp_path):
+    frames = [stamp(f, 0, i) for i, f in enumerate(synthetic_frames(12, seed=6))]
+    frames[5] = cv2.resize(frames[5], (640, 480), interpolation=cv2.INTER_NEAREST)  # the camera changed resolution
+    path, _ = _write_clip(tmp_path, encode(frames))
+    cap = cv2.VideoCapture(path)
+    sizes = []
+    while True:
+        ok, image = cap.read()
+        if not ok:
+            break
+        sizes.append(image.shape[:2])
+    cap.release()
+    assert sizes == [frames[0].shape[:2]] * 12
+    assert read_clip(path)[0] == list(range(12))
+
+
+def test_without_the_raw_writer_clips_are_encoded_as_mp4v(tmp_path, monkeypatch):
+    monkeypatch.setattr(camera_clips, "COPY_JPEGS", False)
+    path, _ = _write_clip(tmp_path, encode([stamp(f, 0, i) for i, f in enumerate(synthetic_frames(10, seed=7))]))
+    cap = cv2.VideoCapture(path)
+    fourcc = int(cap.get(cv2.CAP_PROP_FOURCC)).to_bytes(4, "little")
+    cap.release()
+    assert fourcc in (b"FMP4", b"mp4v"), fourcc  # FFmpeg's name for MPEG-4 part 2, as OpenCV reads it back
+    assert read_clip(path)[0] == list(range(10))
+
+
+def test_jpeg_size_reads_the_header_of_baseline_and_progressive_jpegs():
+    from workers.camera_clips import jpeg_size
+
+    for w, h in ((320, 240), (1, 1), (1920, 1080), (4000, 3000)):
+        image = np.zeros((h, w, 3), np.uint8)
+        for progressive in (0, 1):
+            data = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_PROGRESSIVE, progressive])[1].tobytes()
+            assert jpeg_size(data) == (w, h), (w, h, progressive)
+    good = cv2.imencode(".jpg", np.zeros((48, 64, 3), np.uint8))[1].tobytes()
+    for bad in (b"", b"\xff\xd8", b"GIF89a" + good, good[:20], good[:2] + b"\x00" + good[3:]):
+        assert jpeg_size(bad) is None, bad[:24]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness is per thread on Linux only")
+def test_the_writer_thread_runs_at_a_lower_cpu_priority(tmp_path, monkeypatch):
+    seen = []
+    write = ClipWriter._write
+
+    def noting(self, clip, entry):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return write(self, clip, entry)
+
+    monkeypatch.setattr(ClipWriter, "_write", noting)
+    _write_clip(tmp_path, encode(synthetic_frames(3, seed=8)))
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen and set(seen) == {min(19, mine + camera_clips.BACKGROUND_NICE)}, (seen, mine)

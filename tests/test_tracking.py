@@ -119,3 +119,54 @@ def test_without_lap_the_tracker_says_what_to_install_instead_of_pip_installing_
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lap" else real(name, *a))
     with pytest.raises(ImportError, match="pip install 'lap>=0.5.12'"):
         make_tracker("bytetrack")
+
+
+def _busy_scene(frames: int = 120, seed: int = 7):
+    """Detections of a busy scene: objects that come and go, vanish for a few frames (lost
+    tracks, predicted without being seen), jitter, and weak boxes (ByteTrack's second pass)."""
+    from runtime.vision.postprocess import Detections
+
+    rng = np.random.default_rng(seed)
+    objects = [(rng.uniform(20, 280, 2), rng.uniform(-6, 6, 2), rng.uniform(15, 40), rng.integers(0, 3), a, a + 60)
+               for a in rng.integers(0, frames - 20, 10)]  # fmt: skip
+    out = []
+    for t in range(frames):
+        boxes, conf, cls = [], [], []
+        for (x, y), (vx, vy), r, c, born, dies in objects:
+            if not born <= t < dies or rng.random() < 0.15:  # not there, or missed this frame
+                continue
+            cx, cy = x + vx * (t - born) + rng.normal(0, 1.5), y + vy * (t - born) + rng.normal(0, 1.5)
+            boxes.append((cx - r, cy - r, cx + r, cy + r * rng.uniform(0.9, 1.1)))
+            conf.append(rng.uniform(0.2, 0.95))
+            cls.append(c)
+        out.append(
+            Detections(
+                np.asarray(boxes, np.float32).reshape(-1, 4),
+                np.asarray(conf, np.float32),
+                np.asarray(cls, np.int64),
+                [str(c) for c in cls],
+                (320, 320),
+            )
+        )
+    return out
+
+
+def test_bytetrack_prediction_is_ultralytics_own_to_the_bit():
+    """The fast prediction step (tracking._predict_xyah) against Ultralytics' multi_predict on
+    the same detections: the same ids every frame, and every track's state equal to the bit."""
+    pytest.importorskip("lap")
+    fast, plain = make_tracker("bytetrack", frame_rate=5), make_tracker("bytetrack", frame_rate=5)
+    assert "multi_predict" in vars(fast._tracker), "the fast prediction step is in use"
+    del plain._tracker.multi_predict  # Ultralytics' own (the class's) again
+    image = np.zeros((320, 320, 3), np.uint8)
+    predicted = 0
+    for t, det in enumerate(_busy_scene()):
+        assert fast.update(det, image) == plain.update(det, image), f"frame {t}"
+        a, b = fast._tracker, plain._tracker
+        for pool in ("tracked_stracks", "lost_stracks"):
+            ours, theirs = getattr(a, pool), getattr(b, pool)
+            assert [s.track_id for s in ours] == [s.track_id for s in theirs], (t, pool)
+            for s, r in zip(ours, theirs):
+                assert np.array_equal(s.mean, r.mean) and np.array_equal(s.covariance, r.covariance), (t, s.track_id)
+            predicted += len(ours)
+    assert predicted > 200 and len(b.lost_stracks) + len(b.removed_stracks) > 0, "lost tracks were predicted too"

@@ -5,13 +5,23 @@ Frigate's event clips): the seconds before and after a line crossing or a zone e
                                        JPEGs, bounded by bytes too)
     publisher ──trigger()──> ClipWriter's bounded queue of clips to start (full: dropped, counted)
     ClipWriter thread        the pre-roll the trigger took from the ring, then the ring's newer
-                             frames until post_s after the last event; decode, VideoWriter (mp4v)
+                             frames until post_s after the last event, into the MP4 as they are
 
 The ring keeps the JPEGs the camera sent (MJPEG parts, as they came off the socket), not
 decoded frames: a 640x480 frame is 900 KB decoded and 30-60 KB as JPEG. A source that gives
 decoded frames only (RTSP, files, webcams through FFmpeg) is encoded at CLIP_JPEG_QUALITY on
 its reader's thread. Nothing here runs on the detection path: the publisher's trigger takes a
-lock and copies a list of references; decoding, encoding and the disk are the writer thread's.
+lock and copies a list of references; the disk is the writer thread's.
+
+The MP4 holds those JPEGs as they are (MJPEG in MP4, FFmpeg's stream copy through OpenCV's
+raw-video mode), as DeepStream's Smart Record and Frigate keep a camera's own stream: no decode
+and no encode, 0.02 ms of CPU a frame where decoding and encoding mp4v cost 0.7 ms (320x240;
+at 24 cameras recording, 0.1 of this 2-core machine's cores, taken from the detector). The
+price is disk: about 5 times mp4v's bytes. A frame whose size differs from the clip's (the
+camera changed its resolution) is decoded, resized and encoded again; an OpenCV without the
+raw mode decodes and encodes every frame as mp4v. The writer thread runs at a lower CPU
+priority (Linux: BACKGROUND_NICE) so that what it still costs waits for the detector.
+
 An event within a clip's post window extends that clip (its path goes into the event too), so
 a busy door gives one long clip, not one per person (up to MAX_CLIP_S, then a new one starts).
 """
@@ -22,6 +32,7 @@ import logging
 import os
 import re
 import secrets
+import sys
 import threading
 import time
 from collections import deque
@@ -39,6 +50,10 @@ MAX_CLIP_S = 300.0  # events keep extending a clip up to this length; the next e
 MAX_PENDING = 8  # clips triggered and not yet taken up by the writer; more are dropped, counted
 POLL_S = 0.05  # how often the writer looks for new frames of the clips it records
 PRUNE_EVERY_S = 30.0
+# The writer thread's niceness above the process's (Linux, per thread): it runs when the
+# detector leaves a core, and the ring's RING_SLACK_S lets it catch up afterwards.
+BACKGROUND_NICE = 10
+COPY_JPEGS = True  # False: every frame decoded and encoded as mp4v (what an older OpenCV does)
 TRIGGERS = ("line_cross", "zone_enter")  # the events that start (or extend) a clip
 # <camera>-<event id>.mp4, the event id as Frigate's: the event's Unix time and 6 random characters.
 CLIP_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}-\d+\.\d{6}-[a-z0-9]{6}\.mp4")
@@ -153,7 +168,8 @@ class Clip:
     frames: int = 0
     fps: float = 10.0
     video: object = None  # cv2.VideoWriter, opened at the first frame (its size)
-    size: tuple = ()
+    size: tuple = ()  # (width, height)
+    raw: bool = False  # the writer takes the JPEGs as they are (else decoded frames, encoded mp4v)
     failed: bool = False
 
 
@@ -243,6 +259,7 @@ class ClipWriter:
 
     def run(self) -> None:
         """The writer thread, until close()."""
+        _background_priority()
         next_prune = time.monotonic()
         while True:
             with self._cond:
@@ -300,20 +317,33 @@ class ClipWriter:
         import numpy as np
 
         try:
-            image = cv2.imdecode(np.frombuffer(entry.jpeg, np.uint8), cv2.IMREAD_COLOR)
-            if image is None:
-                clip.camera.frames_missed += 1
-                return True
+            size, image = jpeg_size(entry.jpeg), None
+            if size is None or (clip.video is not None and size != clip.size):
+                image = cv2.imdecode(np.frombuffer(entry.jpeg, np.uint8), cv2.IMREAD_COLOR)
+                if image is None:
+                    clip.camera.frames_missed += 1
+                    return True
             if clip.video is None:
-                clip.size = (image.shape[1], image.shape[0])
-                fps = min(120.0, max(1.0, clip.fps))
-                clip.video = cv2.VideoWriter(clip.path, cv2.VideoWriter_fourcc(*"mp4v"), fps, clip.size)
-                if not clip.video.isOpened():
-                    clip.video = None
-                    raise OSError("the MP4 writer did not open (a full disk, no write permission, no mp4v)")
-            if (image.shape[1], image.shape[0]) != clip.size:  # the camera changed its resolution
-                image = cv2.resize(image, clip.size)
-            clip.video.write(image)
+                clip.size = size if image is None else (image.shape[1], image.shape[0])
+                self._open(clip)
+            if clip.raw:
+                data = entry.jpeg
+                if image is not None:  # not the clip's size (or no header we could read): encoded again
+                    if (image.shape[1], image.shape[0]) != clip.size:
+                        image = cv2.resize(image, clip.size)
+                    data = _encode(image)
+                    if data is None:
+                        raise OSError("could not encode a resized frame as JPEG")
+                clip.video.write(np.frombuffer(data, np.uint8).reshape(1, -1))
+            else:
+                if image is None:
+                    image = cv2.imdecode(np.frombuffer(entry.jpeg, np.uint8), cv2.IMREAD_COLOR)
+                    if image is None:
+                        clip.camera.frames_missed += 1
+                        return True
+                if (image.shape[1], image.shape[0]) != clip.size:  # the camera changed its resolution
+                    image = cv2.resize(image, clip.size)
+                clip.video.write(image)
         except (cv2.error, OSError) as exc:
             log.warning("camera %s: the clip %s failed: %s", clip.camera.camera_id, clip.path, exc)
             clip.failed = True
@@ -321,6 +351,27 @@ class ClipWriter:
             return False
         clip.frames += 1
         return True
+
+    def _open(self, clip: Clip) -> None:
+        """The clip's VideoWriter at clip.size: MJPEG copied as it is where OpenCV's FFmpeg
+        backend has the raw mode, else mp4v encoded from decoded frames. OSError if neither opens."""
+        import cv2
+
+        fps = min(120.0, max(1.0, clip.fps))
+        raw_mode = getattr(cv2, "VIDEOWRITER_PROP_RAW_VIDEO", None) if COPY_JPEGS else None  # OpenCV >= 4.10
+        if raw_mode is not None:
+            # OpenCV says once per clip on stderr that the mp4 muxer tags MJPEG "mp4v" (its
+            # MPEG-4 object type for JPEG), which is what is wanted here.
+            params = [raw_mode, 1]
+            video = cv2.VideoWriter(clip.path, cv2.CAP_FFMPEG, cv2.VideoWriter_fourcc(*"MJPG"), fps, clip.size, params)
+            if video.isOpened():
+                clip.video, clip.raw = video, True
+                return
+            video.release()
+        video = cv2.VideoWriter(clip.path, cv2.VideoWriter_fourcc(*"mp4v"), fps, clip.size)
+        if not video.isOpened():
+            raise OSError("the MP4 writer did not open (a full disk, no write permission, no mp4v)")
+        clip.video, clip.raw = video, False
 
     def _finish(self, clip: Clip) -> None:
         cam = clip.camera
@@ -368,6 +419,51 @@ def prune_clips(
         total -= size
         removed.append(path)
     return removed
+
+
+# JPEG's start-of-frame markers (baseline, extended, progressive, lossless...): not DHT (C4),
+# JPG (C8) or DAC (CC), which share the range.
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a JPEG's start-of-frame header, without decoding it; None if the
+    bytes hold no such header before the first scan (not a JPEG, or a damaged one)."""
+    n = len(data)
+    if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
+        return None
+    i = 2
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # a fill byte before the marker
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+            continue
+        if marker in (0xD9, 0xDA):  # the end, or the first scan: no size came before it
+            return None
+        if marker in _SOF:
+            if i + 9 > n:
+                return None
+            height, width = (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8]
+            return (width, height) if width and height else None
+        i += 2 + ((data[i + 2] << 8) | data[i + 3])
+    return None
+
+
+def _background_priority() -> None:
+    """The calling thread's CPU priority down by BACKGROUND_NICE (Linux: niceness is per thread;
+    elsewhere setpriority would take the whole process, so nothing is done)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except OSError as exc:  # a sandbox without setpriority: the writer runs at the usual priority
+        log.warning("could not lower the clip writer's priority: %s", exc)
 
 
 def _encode(image) -> bytes | None:

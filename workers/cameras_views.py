@@ -150,8 +150,9 @@ async def mjpeg(service, camera_id: str, fps: float, stop: threading.Event, view
 
 async def replay(path: str, stop: threading.Event, viewers: Viewers):
     """A clip's frames as MJPEG parts at the clip's own rate, once through. The page plays clips
-    this way where the browser's <video> cannot decode them: OpenCV writes MPEG-4 Part 2
-    ("mp4v"), which no browser plays, and the codecs they do play cost far more to encode here
+    this way where the browser's <video> cannot decode them: clips are MJPEG in MP4 (the
+    camera's own JPEGs, workers/camera_clips.py; MPEG-4 Part 2 "mp4v" with an older OpenCV),
+    which no browser plays, and the codecs they do play cost far more to encode here
     (VP9 about 60 times mp4v's CPU a frame, VP8 about 9 times, measured at 640x480; the
     opencv-python wheels have no H.264 encoder). A replay costs a decode and a JPEG encode a
     frame, only while someone watches, within the views' bound."""

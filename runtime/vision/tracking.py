@@ -9,6 +9,12 @@ Tandem's detections go to Ultralytics' own BYTETracker / BOTSORT with the settin
 default config files (ultralytics/cfg/trackers/*.yaml), so IDs match what `yolo track` gives on
 the same boxes. BoT-SORT runs without ReID (its default: ReID needs another model), but its
 global motion compensation (sparse optical flow) needs the frame, so pass the image.
+
+ByteTrack's prediction step is Ultralytics' own arithmetic done faster (_predict_xyah): its
+N-d np.dot calls a BLAS dot product per matrix element, 8 x 8 x 2 of them per track and frame,
+where the motion matrix [[I, I], [0, I]] makes F P F^T two block additions. The result is the
+same to the bit (tests/test_tracking.py), so the ids are too; at 24 cameras every camera's
+tracker runs on the camera service's one publisher thread, and this step was a quarter of it.
 """
 
 from __future__ import annotations
@@ -83,6 +89,8 @@ class Tracker:
 
         self.kind = kind
         self._tracker = (BYTETracker if kind == "bytetrack" else BOTSORT)(_settings(kind, float(frame_rate)))
+        if kind == "bytetrack" and _block_motion(self._tracker.kalman_filter):
+            self._tracker.multi_predict = _predict_xyah  # the instance's: Ultralytics' classes stay as they are
 
     def update(self, det: Detections, image: np.ndarray | None) -> list[int | None]:
         """The track id of each box of `det`, in det's order (None: a box no confirmed track
@@ -102,6 +110,50 @@ class Tracker:
 
     def reset(self) -> None:
         self._tracker.reset()
+
+
+def _block_motion(kf) -> bool:
+    """Is `kf` the constant-velocity filter _predict_xyah assumes (Ultralytics' KalmanFilterXYAH,
+    dt 1: state x, y, a, h and their velocities; motion matrix [[I, I], [0, I]])?"""
+    expected = np.eye(8)
+    expected[:4, 4:] = np.eye(4)
+    motion = getattr(kf, "_motion_mat", None)
+    return motion is not None and motion.shape == (8, 8) and bool(np.array_equal(motion, expected))
+
+
+def _predict_xyah(stracks: list) -> None:
+    """Ultralytics' STrack.multi_predict (KalmanFilterXYAH.multi_predict) in place, the same to
+    the bit: mean F^T and F P F^T + Q with F = [[I, I], [0, I]] as block additions. Each output
+    element of Ultralytics' products is a sum with one or two non-zero terms (the others are
+    exact zeros, the ones exact), so adding the blocks in the same order rounds the same."""
+    if not stracks:
+        return
+    from ultralytics.trackers.basetrack import TrackState
+    from ultralytics.trackers.byte_tracker import STrack
+
+    kf = STrack.shared_kalman
+    mean = np.asarray([st.mean for st in stracks])
+    cov = np.asarray([st.covariance for st in stracks])
+    for i, st in enumerate(stracks):
+        if st.state != TrackState.Tracked:
+            mean[i][7] = 0  # a track not seen this frame keeps its height: no height velocity
+    h = mean[:, 3]
+    q = np.empty((len(stracks), 8))  # the process noise's standard deviations, squared below
+    q[:, 0] = q[:, 1] = q[:, 3] = kf._std_weight_position * h
+    q[:, 2] = 1e-2
+    q[:, 4] = q[:, 5] = q[:, 7] = kf._std_weight_velocity * h
+    q[:, 6] = 1e-5
+    q = np.square(q)
+    predicted = mean.copy()
+    predicted[:, :4] += mean[:, 4:]  # mean F^T
+    left = cov.copy()
+    left[:, :4, :] += cov[:, 4:, :]  # F P: rows
+    out = left.copy()
+    out[:, :, :4] += left[:, :, 4:]  # (F P) F^T: columns
+    diag = np.arange(8)
+    out[:, diag, diag] += q  # + Q (diagonal)
+    for st, m, c in zip(stracks, predicted, out):
+        st.mean, st.covariance = m, c
 
 
 def make_tracker(kind: str, frame_rate: float = _BASE_FRAME_RATE) -> Tracker:
