@@ -58,7 +58,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="TOML",
         help="a tenants file: each [tenants.NAME] its keys, weight (its share under --policy fair) and optional "
         "requests_per_minute, tokens_per_minute, max_concurrent, max_queued (past one: 429 with Retry-After); "
-        "its keys are accepted besides --api-key's (README, production)",
+        "its keys are accepted besides --api-key's. The weights are the engine's: with --embedded, give --policy "
+        "fair; over workers, start each `tandem worker` with --tenants and the same file and --policy fair "
+        "(README, production)",
     )
     p.add_argument(
         "--keepalive", type=float, default=10.0, help="seconds between SSE keep-alives (a blank line) on a quiet stream"
@@ -106,24 +108,18 @@ def _check(args: argparse.Namespace) -> None:
 
 def tenant_table(args: argparse.Namespace):
     """The tenants of --tenants and --api-key (server/tenants.py); ValueError naming the file,
-    the tenant and the field. A weight is the engine's scheduler's: it needs --embedded (this
-    process builds the engine) and --policy fair, else it would be read and ignored."""
+    the tenant and the field. A weight is the engine's scheduler's: with --embedded this process
+    builds the engine, so a weight needs --policy fair here, else it would be read and ignored.
+    Over workers the engines are theirs: `tandem worker --tenants` reads the same file's weights
+    and checks their --policy (workers/worker.py); run_serve says so when the file has weights."""
     from server.common import api_keys
     from server.tenants import TenantTable, load_tenants
+    from workers.tenants_file import check_weights_policy
 
     tenants = load_tenants(args.tenants) if args.tenants else []
     table = TenantTable.build(tenants, api_keys(argparse.Namespace(api_key=api_key(args))))
-    weighted = sorted(table.weights())
-    if weighted and not args.embedded:
-        raise ValueError(
-            f"--tenants {args.tenants}: tenant {weighted[0]!r} has a weight, which the workers' engines do not "
-            "read; weights need --embedded (give the workers --policy fair for equal shares)"
-        )
-    if weighted and args.policy != "fair":
-        raise ValueError(
-            f"--tenants {args.tenants}: tenant {weighted[0]!r} has a weight, which only --policy fair uses "
-            f"(got --policy {args.policy or 'fcfs'})"
-        )
+    if args.embedded:
+        check_weights_policy(args.tenants, table.weights(), args.policy)
     return table
 
 
@@ -152,10 +148,7 @@ def build_backend(args: argparse.Namespace):
     from workers.host import served_model_name
     from workers.worker import worker_plan
 
-    config, _, _ = worker_plan(args)
-    weights = tenant_table(args).weights()
-    if weights and config.get("llm") is not None:
-        config["llm"]["tenant_weights"] = weights  # the engine's fair scheduler (schedulers/fair.py)
+    config, _, _ = worker_plan(args)  # with the --tenants file's weights, as a worker's (tenants_option)
     name = args.served_model_name or served_model_name((config.get("llm") or {}).get("model"))
     if args.engine_process is not False:
         from server.engine_client import EngineProcessBackend
@@ -187,6 +180,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         _check(args)
+        weighted = sorted(tenant_table(args).weights()) if args.tenants and not args.embedded else []
         backend = build_backend(args)
     except ValueError as exc:
         print(f"tandem serve: error: {exc}", file=sys.stderr)
@@ -194,6 +188,14 @@ def run_serve(args: argparse.Namespace) -> int:
     except EngineStartError as exc:  # its traceback is on stderr already, from the engine process
         print(f"tandem serve: error: the engine process failed to start: {exc}", file=sys.stderr)
         return 1
+    if weighted:
+        # Not an error: the weights are right, only read elsewhere. Said at start, since a worker
+        # started without the file would give every tenant weight 1 and nothing here could tell.
+        print(
+            f"tandem serve: --tenants {args.tenants}: the weights of {', '.join(map(repr, weighted))} are the "
+            f"workers' engines': start each `tandem worker` with --tenants {args.tenants} --policy fair",
+            file=sys.stderr,
+        )
     engine = getattr(backend, "engine", None)
     try:
         return _serve(args, backend)

@@ -85,13 +85,29 @@ def test_the_cli_refuses_weights_the_engine_would_not_read(tmp_path):
 
     path = tmp_path / "t.toml"
     path.write_text('[tenants.a]\nkeys = ["k"]\nweight = 3\n')
-    args = argparse.Namespace(tenants=str(path), api_key=None, embedded=False, policy="fair")
-    with pytest.raises(ValueError, match="tenant 'a' has a weight.*--embedded"):
-        tenant_table(args)
-    with pytest.raises(ValueError, match="tenant 'a' has a weight.*--policy fair"):
-        tenant_table(argparse.Namespace(**{**vars(args), "embedded": True, "policy": None}))
-    table = tenant_table(argparse.Namespace(**{**vars(args), "embedded": True}))
-    assert table.weights() == {"a": 3.0}
+    args = argparse.Namespace(tenants=str(path), api_key=None, embedded=True, policy="fair")
+    with pytest.raises(ValueError, match="tenant 'a' has a weight.*--policy fair.*got --policy fcfs"):
+        tenant_table(argparse.Namespace(**{**vars(args), "policy": None}))
+    assert tenant_table(args).weights() == {"a": 3.0}
+    # Over workers the weights are the workers' engines' (`tandem worker --tenants` reads the
+    # same file and checks their --policy, tests/test_worker_tenants.py): the server takes the
+    # file whatever its own --policy, which no engine of its reads.
+    for policy in (None, "fair"):
+        table = tenant_table(argparse.Namespace(**{**vars(args), "embedded": False, "policy": policy}))
+        assert table.weights() == {"a": 3.0}
+
+
+def test_serve_embedded_gives_its_engine_the_files_weights_as_a_worker_does(tmp_path):
+    from tandem.serve_cli import add_serve_arguments
+    from workers.worker import worker_plan
+
+    path = tmp_path / "t.toml"
+    path.write_text('[tenants.a]\nkeys = ["k"]\nweight = 3\n\n[tenants.b]\nkeys = ["k2"]\n')
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--embedded", "--tenants", str(path), "--policy", "fair", "--queues", "llm"])
+    config, _, _ = worker_plan(args)  # build_backend's plan (workers/worker.py tenants_option)
+    assert config["llm"]["tenant_weights"] == {"a": 3.0}
 
 
 # ---- keys and tenants --------------------------------------------------------------------------

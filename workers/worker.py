@@ -4,6 +4,7 @@
     tandem worker --queues llm --dtype bfloat16 --max-num-seqs 32
     tandem worker --queues vision --vision-model yolo26n.pt --imgsz 640
     tandem worker --queues llm --model smol=/models/SmolLM2     # served as "smol"
+    tandem worker --queues llm --policy fair --tenants tenants.toml   # the tenants' weights
 
 A worker serving model NAME consumes the queue `llm.NAME` (settings.model_queue), where `tandem
 serve` sends the requests that name it, and the plain `llm` queue, which it runs on its model.
@@ -14,6 +15,12 @@ It runs Celery's threads pool: many tasks wait at once on one Runtime, so concur
 share one continuous batch. Concurrency (and so prefetch, at one message per thread) is sized
 from max_num_seqs: the batch, plus half again waiting in the Runtime's queue, so that a
 finishing job's slot is refilled at the next step, not after a broker round trip.
+
+--tenants: the file `tandem serve --tenants` reads (workers/tenants_file.py). The server puts
+each request's tenant on its job; the worker's engine weighs them (--policy fair). The worker
+reads the weights only: keys and limits are the server's admission, passed before a job reaches
+Redis (a job a Celery client sends straight to Redis is weighed, never limited). One file for
+both, so that the names the server puts on jobs are the names the workers weigh.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from runtime.llm.flags import add_engine_arguments, engine_options
 from runtime.vision.detector import WEIGHTS, default_imgsz
 from runtime.vision.flags import add_max_image_pixels_argument, max_image_pixels_option
 from workers.settings import QUEUES
+from workers.tenants_file import check_weights_policy, load_tenants, tenant_weights
+
+log = logging.getLogger(__name__)
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +45,13 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=None, help="task threads (default: from --max-num-seqs)")
     p.add_argument("--hostname", default=None, help="Celery node name (default: tandem-<queues>-<pid>@<host>)")
     p.add_argument("--loglevel", default="INFO")
+    p.add_argument(
+        "--tenants",
+        default=None,
+        metavar="TOML",
+        help="the tenants file of `tandem serve --tenants` (the same file): each tenant's weight, its share under "
+        "--policy fair, is this worker's engine's; keys and limits are the server's, read there",
+    )
     add_runtime_arguments(p)
 
 
@@ -89,6 +106,24 @@ def parse_model_flag(values: list[str] | str | None) -> tuple[str | None, str | 
     return name, path
 
 
+def tenants_option(args: argparse.Namespace, queues: list[str]) -> dict:
+    """{"tenant_weights": {tenant: weight}} for the LLM engine from --tenants, or {} (no file, or
+    every weight 1). A weight needs the llm queue and --policy fair, or it would be read and
+    ignored: ValueError naming the file, the tenant and the flag. `tandem serve --embedded`
+    comes here too (its own --tenants), through worker_plan."""
+    path = getattr(args, "tenants", None)
+    if not path:
+        return {}
+    weights = tenant_weights(load_tenants(path))
+    if weights and "llm" not in queues:
+        raise ValueError(
+            f"--tenants {path}: tenant {sorted(weights)[0]!r} has a weight, which only the LLM engine reads; "
+            f"--queues {args.queues} has no llm"
+        )
+    check_weights_policy(path, weights, args.policy)
+    return {"tenant_weights": weights} if weights else {}
+
+
 def worker_plan(args: argparse.Namespace) -> tuple[dict, list[str], int]:
     """(Runtime keyword arguments, queues, concurrency) from the flags; ValueError names the flag.
     --model NAME=PATH sets args.served_model_name to NAME (the name the model is served as)."""
@@ -105,6 +140,9 @@ def worker_plan(args: argparse.Namespace) -> tuple[dict, list[str], int]:
     llm = vision = None
     if "llm" in queues:
         llm = engine_options(argparse.Namespace(**{**vars(args), "model": path}))
+    tenants = tenants_option(args, queues)
+    if tenants:
+        llm.update(tenants)  # the engine's fair scheduler (schedulers/fair.py)
     if "vision" in queues:
         batching = {"max_batch_size": args.vision_max_batch_size}
         vision = {
@@ -136,6 +174,7 @@ def run_worker(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tandem worker: error: {exc}", file=sys.stderr)
         return 2
+    weights = (runtime.get("llm") or {}).get("tenant_weights")
     # The host reads these when the worker starts (workers/host.py), in this process.
     os.environ["TANDEM_WORKER_RUNTIME"] = json.dumps(runtime)
     if args.redis_url:
@@ -158,6 +197,13 @@ def run_worker(args: argparse.Namespace) -> int:
     # went nowhere, and a slow start could not be told from a slow broker. Celery replaces this
     # root handler with its own once it starts (worker_hijack_root_logger), so no line is doubled.
     logging.basicConfig(level=args.loglevel.upper(), format="[%(asctime)s: %(levelname)s/%(processName)s] %(message)s")
+    if args.tenants:
+        # Said once at start: the file's keys and limits are read by the server, not here.
+        log.info(
+            "--tenants %s: tenant weights %s (others 1); its keys and limits are tandem serve's",
+            args.tenants,
+            weights or {},
+        )
     name = args.hostname or f"tandem-{'-'.join(queues)}-{os.getpid()}@%h"
     argv = [
         "worker",
