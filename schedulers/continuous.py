@@ -11,6 +11,8 @@ Who goes first (WaitingQueue) and who is preempted (`_victim_key_for`):
   - tiers: interactive requests before batch ones; batch requests take only the slots and
     blocks interactive ones leave, and an interactive request that finds none preempts a
     running batch request (`_make_room`); out of blocks, batch requests are the first victims;
+    no batch request starts in a step that computes an interactive request's first token
+    (`_first_token_step`), whose length is that request's time to first token;
   - policy "fcfs": arrival order, the latest arrival preempted first;
   - policy "priority": lower Request.priority first, aged by the wait (config.priority_aging_s,
     the bound in WaitingQueue's docstring), the worst aged priority preempted first;
@@ -531,6 +533,7 @@ class ContinuousBatchScheduler:
         held = sum(len(r.followers) for r in self._leaders) if self._leaders else 0
         tenants = self.tenants
         shares, skip, made_room_for = step.shares, None, None
+        no_batch = None  # whether this step computes an interactive first token (asked once, lazily)
         while len(waiting) and step.budget > 0:
             if (
                 made_room_for is None
@@ -547,6 +550,11 @@ class ContinuousBatchScheduler:
             req, made_room_for = (made_room_for, None) if made_room_for is not None else (waiting.peek(skip), None)
             if req is None:
                 break  # under "fair", every waiting tenant has used its share of the budget
+            if req.is_batch:  # the waiting queue's last tier: every later request is batch too
+                if no_batch is None:
+                    no_batch = self._first_token_step(scheduled)
+                if no_batch:
+                    break
             # Under "fair": admitting `req` would take its tenant past its share of the slots
             # while another tenant below its share waits (in req's tier or a better one).
             if tenants is not None and tenants.share_held(
@@ -584,6 +592,17 @@ class ContinuousBatchScheduler:
             if req.followers:
                 self._leaders.append(req)
                 held += len(req.followers)
+
+    @staticmethod
+    def _first_token_step(scheduled: list[Request]) -> bool:
+        """Whether this step computes (the last of) an interactive request's prompt, or part of it.
+
+        Such a step's length is that request's time to first token, and a batch request
+        starting in it would lengthen it by its own prefill: measured on SmolLM2 (CPU, 8 slots,
+        a backlog of 16-token prompts), a chat's first step took 61-65 ms with three batch
+        prefills beside it against 45 ms without (BENCHMARKS.md, issue 31). The batch
+        request starts a step later instead, which costs the backlog one step per chat."""
+        return any(not r.is_batch and r.num_tokens == r.num_prompt_tokens for r in scheduled)
 
     def _fork(self, step: _Step) -> None:
         """Fork the followers of every leader whose prompt this step completes: they run from

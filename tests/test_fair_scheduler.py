@@ -325,6 +325,26 @@ def test_batch_requests_fill_free_slots_and_are_preempted_first():
     assert not sched.has_unfinished()
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_no_batch_request_starts_in_the_step_of_a_chats_first_token(policy):
+    """That step's length is the chat's time to first token: a batch prefill beside it would
+    lengthen it. The batch request waits one step; decodes of running batch requests go on."""
+    sched = make(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, policy=policy)
+    for i in range(6):
+        sched.add_request(req(f"batch{i}", 8, 30, tier="batch", arrival=float(i)))
+    service, runner = Service(sched), MirrorRunner()
+    service.step(0.0, runner)
+    assert sorted(r.request_id for r in sched.running) == ["batch0", "batch1", "batch2", "batch3"]
+    sched.abort("batch2")
+    sched.abort("batch3")  # two free slots, two batch requests waiting
+    sched.add_request(req("chat", 8, 4, arrival=10.0))
+    plan, _ = service.step(1.0, runner)
+    assert "chat" in plan.req_ids and "batch0" in plan.req_ids and "batch1" in plan.req_ids
+    assert not [r for r in plan.req_ids if r in ("batch4", "batch5")], plan.req_ids  # the free slot waits
+    plan, _ = service.step(2.0, runner)  # the chat decodes now: the batch backlog takes the slot
+    assert "batch4" in plan.req_ids and "chat" in plan.req_ids
+
+
 def test_out_of_blocks_the_batch_request_is_the_victim():
     """Both need 10 of the pool's 12 blocks; the chat arrived later (FCFS alone would preempt
     it), but the batch request is the one preempted, and both finish."""
