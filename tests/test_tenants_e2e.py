@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_jobs_support import RedisServer, WorkerProcess
+from test_jobs_support import RedisServer, WorkerProcess, wait_for
 
 from workers.client import JobClient
 from workers.settings import JobSettings
@@ -96,3 +96,20 @@ def test_interactive_chats_are_served_ahead_of_a_batch_backlog_which_still_drain
     # queue_priority): only batch jobs that started while the chats were on their way come
     # between (a few on two cores; all that were waiting without tiers).
     assert ahead <= 12, f"{ahead} of {still_waiting} waiting batch jobs got their first token before the last chat's"
+
+
+def test_the_worker_pops_its_jobs_many_at_a_time(jobs):
+    """The worker's consumer waits on Redis in BLMPOP (workers/tasks.py BatchPop), which takes
+    every job waiting, never in Kombu's BRPOP, one message a round trip: with `appendfsync
+    always` each pop waits for an fsync, and a flood taken one a pop kept a light tenant's chat
+    in Redis behind it. (Redis's command counts would not tell: Celery's control replies, which
+    the fixture's ping waited for, come by BRPOP to the client.)"""
+    ids = [jobs.submit(f"Count to {i}.", tenant="acme", max_tokens=1) for i in range(8)]
+    assert jobs.wait(ids, timeout=120) == set(ids)
+
+    def blocked() -> set[str]:  # the commands clients wait in now (flag b)
+        return {c["cmd"] for c in jobs.store.redis.client_list() if "b" in c["flags"]}
+
+    # An idle worker sends its next pop right after a second-long one times out.
+    wait_for(lambda: "blmpop" in blocked(), 30, "the worker to wait on its queues in BLMPOP")
+    assert "brpop" not in blocked()

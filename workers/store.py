@@ -411,8 +411,9 @@ class JobStore:
         """Queue again the jobs whose broker message is gone, seen so on two sweeps `every_s`
         apart; returns their ids.
 
-        BRPOP hands a message over at most once: a worker SIGKILLed between taking it and
-        claiming the job, or a Redis that dies between removing it and replying, loses it.
+        A pop (the worker's BLMPOP, workers/tasks.py BatchPop, or Kombu's BRPOP) hands a message
+        over at most once: a worker SIGKILLed between taking it and claiming the job, or a Redis
+        that dies between removing it and replying, loses it.
         The job record still says queued, so it is found here and published again. One worker
         sweeps per period (a lock); a message merely in flight between the list and a live
         worker's claim lasts milliseconds, and a false sighting costs only a duplicate message,
