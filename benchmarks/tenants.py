@@ -8,7 +8,16 @@ each job's record.
     batch   a backlog of 100 batch jobs alone, then again with 4 interactive chats sent after it:
             targets, the chats' TTFT p50 within 1.5x idle, the backlog's time within 1.10x alone
 
-    python -m benchmarks tenants [--max-num-seqs 8] [--policies fair,fcfs] [--model DIR] [--out DIR]
+    python -m benchmarks tenants [--max-num-seqs 8] [--policies fair,fcfs] [--model DIR|tiny] [--rounds 3] [--out DIR]
+
+Every phase runs `--rounds` times (idle, flood, backlog alone, backlog with chats, in turn); the
+TTFT medians are over all rounds' chats and the backlog's ratio is the median round's.
+
+The model is the worker's default, SmolLM2-135M, as served; `--model tiny` (a random two-layer
+Llama whose forward pass takes about a millisecond) leaves nothing but the path a job takes
+through Redis and the worker's threads, and shows what that path costs. Each TTFT is split at
+the job's claim: submit -> claim (Redis, the worker's pop, its thread pool) and claim -> first
+token (the engine, and the job thread that reads the token).
 
 Latency figures belong here, not in tests (tests/test_tenants_e2e.py asserts the order the
 engine served the jobs in, which a busy machine does not change). Writes tenants.json and
@@ -32,10 +41,15 @@ TARGETS = {"flood_ttft": 2.0, "batch_ttft": 1.5, "backlog_time": 1.10}
 def add_arguments(p) -> None:
     p.add_argument("--policies", default="fair,fcfs", help="comma-separated, each its own worker")
     p.add_argument("--max-num-seqs", type=int, default=8, help="the worker's slots")
-    p.add_argument("--model", default=None, help="an HF folder (default: a tiny random Llama, seconds a run)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="an HF folder or .gguf; 'tiny': a random two-layer Llama (default: SmolLM2, as served)",
+    )
     p.add_argument("--heavy", type=int, default=40, help="the heavy tenant's jobs")
     p.add_argument("--backlog", type=int, default=100, help="batch jobs in the backlog")
     p.add_argument("--max-tokens", type=int, default=48, help="output tokens of each chat and heavy job")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every phase; TTFTs pooled, ratios' median")
     p.add_argument("--out", default="bench_out/tenants")
 
 
@@ -51,7 +65,8 @@ class _Fleet:
         self.redis.start()
         self.jobs = JobClient(settings=JobSettings(redis_url=self.redis.url))
         cmd = [sys.executable, "-m", "tandem", "worker", "--redis-url", self.redis.url, "--queues", "llm"]
-        cmd += ["--hostname", f"tenants-{policy}@%h", "--dtype", "float32", "--no-profile", "--model", model]
+        cmd += ["--hostname", f"tenants-{policy}@%h", "--dtype", "float32", "--no-profile"]
+        cmd += ["--model", model] if model else []  # None: the worker's default, SmolLM2
         cmd += ["--max-num-seqs", str(args.max_num_seqs), "--kv-cache-bytes", str(256 << 20)]
         cmd += ["--concurrency", "256", "--policy", policy]
         self.log = open(folder / f"worker-{policy}.log", "w")
@@ -61,9 +76,19 @@ class _Fleet:
             raise RuntimeError(f"the {policy} worker did not answer within 300 s (see {self.log.name})")
 
     def ttfts(self, ids: list[str]) -> list[float]:
+        return [t["ttft_s"] for t in self.timings(ids)]
+
+    def timings(self, ids: list[str]) -> list[dict]:
+        """Each job's timings once all are done: ttft_s, and its two parts (seconds)."""
         if self.jobs.wait(ids, timeout=900) != set(ids):
             raise RuntimeError("jobs did not finish within 900 s")
-        return [self.jobs.result(i, timeout=0)["timings"]["ttft_s"] for i in ids]
+        out = []
+        for i in ids:
+            ttft = self.jobs.result(i, timeout=0)["timings"]["ttft_s"]
+            record = self.jobs.status(i)["timings"]  # the job record's epoch seconds
+            claim = record["started_at"] - record["submitted_at"]
+            out.append({"ttft_s": ttft, "claim_s": claim, "engine_s": ttft - claim})
+        return out
 
     def chats(self, tenant: str, n: int, max_tokens: int) -> list[str]:
         return [
@@ -93,38 +118,67 @@ class _Fleet:
         self.redis.close()
 
 
-def one_policy(policy: str, model: str, args, folder: Path) -> dict:
+def _medians(rows: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rows) for k in ("ttft_s", "claim_s", "engine_s")}
+
+
+def one_policy(policy: str, model: str | None, args, folder: Path) -> dict:
+    """`args.rounds` rounds of: 4 idle chats, the flood, the backlog alone, the backlog with
+    chats. The TTFTs are pooled over the rounds (4 chats a round all meet the same moment of the
+    engine's step, so one round is nearly one sample); the backlog's ratio is the median of the
+    rounds' (with chats / alone), each pair back to back."""
     fleet = _Fleet(policy, model, args, folder)
+    n, k = 4, args.max_tokens
+    idle, flood, beside, backlog_ratios, alone_s, with_s = [], [], [], [], [], []
     try:
-        n, k = 4, args.max_tokens
         fleet.ttfts(fleet.chats("light", n, k))  # warm-up
-        idle = statistics.median(fleet.ttfts(fleet.chats("light", n, k)))
-        heavy = [
-            fleet.jobs.submit(f"Once upon a time, {i}", tenant="heavy", max_tokens=k, ignore_eos=True)
-            for i in range(args.heavy)
-        ]
-        flood = statistics.median(fleet.ttfts(fleet.chats("light", n, k)))
-        fleet.ttfts(heavy)
-        t0 = time.monotonic()
-        fleet.ttfts(fleet.backlog(args.backlog))
-        alone = time.monotonic() - t0
-        t0 = time.monotonic()
-        backlog = fleet.backlog(args.backlog)
-        beside = statistics.median(fleet.ttfts(fleet.chats("online", n, k)))
-        fleet.ttfts(backlog)
-        with_chats = time.monotonic() - t0
+        for _ in range(args.rounds):
+            idle += fleet.timings(fleet.chats("light", n, k))
+            heavy = [
+                fleet.jobs.submit(f"Once upon a time, {i}", tenant="heavy", max_tokens=k, ignore_eos=True)
+                for i in range(args.heavy)
+            ]
+            flood += fleet.timings(fleet.chats("light", n, k))
+            fleet.ttfts(heavy)
+            t0 = time.monotonic()
+            fleet.ttfts(fleet.backlog(args.backlog))
+            alone_s.append(time.monotonic() - t0)
+            t0 = time.monotonic()
+            backlog = fleet.backlog(args.backlog)
+            beside += fleet.timings(fleet.chats("online", n, k))
+            fleet.ttfts(backlog)
+            with_s.append(time.monotonic() - t0)
+            backlog_ratios.append(with_s[-1] / alone_s[-1])
     finally:
         fleet.close()
+    idle_m, flood_m, beside_m = _medians(idle), _medians(flood), _medians(beside)
     return {
         "policy": policy,
-        "idle_ttft_s": idle,
-        "flood_ttft_s": flood,
-        "flood_ttft": flood / idle,
-        "batch_chat_ttft_s": beside,
-        "batch_ttft": beside / idle,
-        "backlog_alone_s": alone,
-        "backlog_with_chats_s": with_chats,
-        "backlog_time": with_chats / alone,
+        "rounds": args.rounds,
+        "idle_ttft_s": idle_m["ttft_s"],
+        "flood_ttft_s": flood_m["ttft_s"],
+        "flood_ttft": flood_m["ttft_s"] / idle_m["ttft_s"],
+        "batch_chat_ttft_s": beside_m["ttft_s"],
+        "batch_ttft": beside_m["ttft_s"] / idle_m["ttft_s"],
+        "backlog_alone_s": alone_s,
+        "backlog_with_chats_s": with_s,
+        "backlog_time": statistics.median(backlog_ratios),
+        "per_round": {
+            "flood_ttft_ms": [
+                statistics.median(t["ttft_s"] for t in flood[i : i + n]) * 1000 for i in range(0, len(flood), n)
+            ],
+            "batch_ttft_ms": [
+                statistics.median(t["ttft_s"] for t in beside[i : i + n]) * 1000 for i in range(0, len(beside), n)
+            ],
+            "idle_ttft_ms": [
+                statistics.median(t["ttft_s"] for t in idle[i : i + n]) * 1000 for i in range(0, len(idle), n)
+            ],
+            "backlog_time": backlog_ratios,
+        },
+        "parts_ms": {
+            name: {"claim": m["claim_s"] * 1000, "engine": m["engine_s"] * 1000}
+            for name, m in (("idle", idle_m), ("flood", flood_m), ("batch", beside_m))
+        },
     }
 
 
@@ -159,9 +213,12 @@ def run(args) -> int:
     print(f"cpu: {cpu['model']}, {cpu['cores']} cores, flags: {cpu['flags']}")
     with tempfile.TemporaryDirectory(prefix="tandem-tenants-") as tmp:
         folder = Path(tmp)
-        model = args.model or write_tiny_llama(str(folder / "tiny-llama"))
+        model = write_tiny_llama(str(folder / "tiny-llama")) if args.model == "tiny" else args.model
         rows = [one_policy(p.strip(), model, args, folder) for p in args.policies.split(",") if p.strip()]
-    print(f"{args.max_num_seqs} slots; {args.heavy} heavy jobs; {args.backlog} batch jobs; 4 chats")
+    print(f"model: {args.model or 'SmolLM2-135M (the worker default)'}, float32")
+    print(
+        f"{args.max_num_seqs} slots; {args.heavy} heavy jobs; {args.backlog} batch jobs; 4 chats; {args.rounds} rounds"
+    )
     print(f"{'policy':>7} {'idle ms':>8} {'flood':>16} {'chats by backlog':>18} {'backlog time':>14}")
     for r in rows:
         marks = {k: "met" if r[k] <= t else "NOT met" for k, t in TARGETS.items()}
@@ -170,6 +227,18 @@ def run(args) -> int:
             f"{r['flood_ttft']:6.2f}x {marks['flood_ttft']:>8} {r['batch_ttft']:8.2f}x {marks['batch_ttft']:>8} "
             f"{r['backlog_time']:6.2f}x {marks['backlog_time']:>7}"
         )
+    print("per round (TTFT p50 ms of its 4 chats; backlog with chats / alone):")
+    for r in rows:
+        pr = r["per_round"]
+        fmt = lambda xs: ", ".join(f"{x:.0f}" for x in xs)  # noqa: E731
+        print(
+            f"{r['policy']:>7} idle {fmt(pr['idle_ttft_ms'])}   flood {fmt(pr['flood_ttft_ms'])}   "
+            f"batch {fmt(pr['batch_ttft_ms'])}   backlog {', '.join(f'{x:.2f}' for x in pr['backlog_time'])}"
+        )
+    print("TTFT p50 in two parts, ms: submit -> claim (Redis, the worker's pop and threads) + claim -> first token")
+    for r in rows:
+        parts = "   ".join(f"{k} {v['claim']:.0f} + {v['engine']:.0f}" for k, v in r["parts_ms"].items())
+        print(f"{r['policy']:>7} {parts}")
     t = TARGETS
     print(
         f"targets: flood <= {t['flood_ttft']}x idle, chats <= {t['batch_ttft']}x idle, backlog <= {t['backlog_time']}x alone"
