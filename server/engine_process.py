@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_watch_for_eof, args=(sock,), name="tandem-engine-watch", daemon=True).start()
     config = json.loads(args.config)
     try:
+        from runtime.heap import freeze_startup_heap
         from runtime.runtime import Runtime
 
         rt = Runtime(**config["runtime"])
@@ -318,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 2 if value_error else 1
+    freeze_startup_heap()  # the model and imports out of the collector's full passes
     engine = EngineServer(rt, sock, config)
     try:
         sock.sendall(wire.pack({"t": wire.READY, "info": engine.info()}))

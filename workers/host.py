@@ -15,6 +15,7 @@ heartbeat: within lease_s + heartbeat_s some other worker's lease thread requeue
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -30,6 +31,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from runtime.heap import freeze_startup_heap
 from runtime.metrics import runtime_payload
 from workers import fleet_metrics
 from workers.retry import Backoff, retry
@@ -270,6 +272,7 @@ class WorkerHost:
                 "active_jobs": len(self.active),
                 "jobs": dict(self.outcomes),
                 "republished": self.num_republished,
+                "gc_frozen_objects": gc.get_freeze_count(),  # runtime/heap.py
             }
         try:
             import resource
@@ -424,6 +427,7 @@ def start_host(app, queues: list[str] | None, name: str = "") -> WorkerHost:
 
             _HOST = WorkerHost(settings, factory, name=name)
             _HOST.start()
+            freeze_startup_heap()  # the model and imports out of the collector's full passes
         return _HOST
 
 
