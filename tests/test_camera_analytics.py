@@ -371,7 +371,7 @@ def test_a_generated_scene_through_the_detector_tracker_and_publisher():
     for t, (img, det) in enumerate(zip(images, dets, strict=True)):
         assert len(det) >= 3, f"frame {t}: the detector missed a shape: the scene, not the analytics, is wrong"
         at = t0 + t / FPS
-        records.append(publisher._build(Result(cam, Frame("gen", t, img), t + 1, det, None, at, at + 0.01)))
+        records += publisher._build([Result(cam, Frame("gen", t, img), t + 1, det, None, at, at + 0.01)])
     events = [e for r in records for e in r["events"]]
     by_class = {}
     for e in events:

@@ -121,14 +121,16 @@ def test_without_lap_the_tracker_says_what_to_install_instead_of_pip_installing_
         make_tracker("bytetrack")
 
 
-def _busy_scene(frames: int = 120, seed: int = 7):
+def _busy_scene(frames: int = 120, seed: int = 7, num_objects: int = 10, min_conf: float = 0.2, doubled: float = 0.0):
     """Detections of a busy scene: objects that come and go, vanish for a few frames (lost
-    tracks, predicted without being seen), jitter, and weak boxes (ByteTrack's second pass)."""
+    tracks, predicted without being seen), jitter, and weak boxes (ByteTrack's second pass);
+    with `doubled`, that share of boxes comes with a second box on the same object (the
+    detector's duplicates: duplicate tracks, unconfirmed tracks dropped)."""
     from runtime.vision.postprocess import Detections
 
     rng = np.random.default_rng(seed)
     objects = [(rng.uniform(20, 280, 2), rng.uniform(-6, 6, 2), rng.uniform(15, 40), rng.integers(0, 3), a, a + 60)
-               for a in rng.integers(0, frames - 20, 10)]  # fmt: skip
+               for a in rng.integers(0, frames - 20, num_objects)]  # fmt: skip
     out = []
     for t in range(frames):
         boxes, conf, cls = [], [], []
@@ -137,8 +139,13 @@ def _busy_scene(frames: int = 120, seed: int = 7):
                 continue
             cx, cy = x + vx * (t - born) + rng.normal(0, 1.5), y + vy * (t - born) + rng.normal(0, 1.5)
             boxes.append((cx - r, cy - r, cx + r, cy + r * rng.uniform(0.9, 1.1)))
-            conf.append(rng.uniform(0.2, 0.95))
+            conf.append(rng.uniform(min_conf, 0.95))
             cls.append(c)
+            if rng.random() < doubled:
+                d = rng.normal(0, 2, 4)
+                boxes.append((cx - r + d[0], cy - r + d[1], cx + r + d[2], cy + r + d[3]))
+                conf.append(rng.uniform(min_conf, 0.95))
+                cls.append(c)
         out.append(
             Detections(
                 np.asarray(boxes, np.float32).reshape(-1, 4),
@@ -151,16 +158,28 @@ def _busy_scene(frames: int = 120, seed: int = 7):
     return out
 
 
-def test_bytetrack_prediction_is_ultralytics_own_to_the_bit():
-    """The fast prediction step (tracking._predict_xyah) against Ultralytics' multi_predict on
-    the same detections: the same ids every frame, and every track's state equal to the bit."""
+SCENES = {  # (seed, objects, lowest confidence, doubled boxes)
+    "sparse": (7, 10, 0.2, 0.0),
+    "weak boxes": (11, 24, 0.05, 0.0),
+    "crowded, doubled boxes": (23, 40, 0.05, 0.3),
+}
+
+
+@pytest.mark.parametrize("scene", list(SCENES))
+def test_bytetrack_step_is_ultralytics_own_to_the_bit(scene):
+    """The fast step (tracking._ByteTrackStep with _predict_xyah) against Ultralytics' own
+    BYTETracker.update on the same detections: the same ids every frame, the same tracks in
+    each pool in the same order, and every track's state equal to the bit."""
     pytest.importorskip("lap")
     fast, plain = make_tracker("bytetrack", frame_rate=5), make_tracker("bytetrack", frame_rate=5)
-    assert "multi_predict" in vars(fast._tracker), "the fast prediction step is in use"
+    assert "multi_predict" in vars(fast._tracker) and fast._step is not None, "the fast step is in use"
     del plain._tracker.multi_predict  # Ultralytics' own (the class's) again
+    plain._step = None
+    refound = _count_refound(plain._tracker)
     image = np.zeros((320, 320, 3), np.uint8)
     predicted = 0
-    for t, det in enumerate(_busy_scene()):
+    seed, num_objects, min_conf, doubled = SCENES[scene]
+    for t, det in enumerate(_busy_scene(200, seed, num_objects, min_conf, doubled)):
         assert fast.update(det, image) == plain.update(det, image), f"frame {t}"
         a, b = fast._tracker, plain._tracker
         for pool in ("tracked_stracks", "lost_stracks"):
@@ -168,5 +187,30 @@ def test_bytetrack_prediction_is_ultralytics_own_to_the_bit():
             assert [s.track_id for s in ours] == [s.track_id for s in theirs], (t, pool)
             for s, r in zip(ours, theirs):
                 assert np.array_equal(s.mean, r.mean) and np.array_equal(s.covariance, r.covariance), (t, s.track_id)
+                assert np.array_equal(s._tlwh, r._tlwh) and _bookkeeping(s) == _bookkeeping(r), (t, s.track_id)
             predicted += len(ours)
+        for pool in ("removed_stracks", "removed_stracks_frame"):
+            assert [s.track_id for s in getattr(a, pool)] == [s.track_id for s in getattr(b, pool)], (t, pool)
     assert predicted > 200 and len(b.lost_stracks) + len(b.removed_stracks) > 0, "lost tracks were predicted too"
+    assert refound[0] > 0, "lost tracks were found again (re_activate) too"
+
+
+BOOKKEEPING = ("state", "is_activated", "score", "cls", "idx", "frame_id", "start_frame", "tracklet_len")
+
+
+def _bookkeeping(track) -> tuple:
+    return tuple(getattr(track, k) for k in BOOKKEEPING)
+
+
+def _count_refound(tracker) -> list[int]:
+    """How many times Ultralytics' `tracker` finds a lost track again, counted as it runs."""
+    from ultralytics.trackers.basetrack import TrackState
+
+    count, apply = [0], tracker._apply_match
+
+    def counted(track, det, activated, refind):
+        count[0] += track.state != TrackState.Tracked
+        apply(track, det, activated, refind)
+
+    tracker._apply_match = counted
+    return count

@@ -95,27 +95,23 @@ class Publisher:
                 items = [self._out.popleft() for _ in range(min(len(self._out), 512))]
                 closing = self._closing and not self._out
             if items:
-                self._write([self._build(item) for item in items])
+                self._write(self._build(items))
             if closing:
                 return
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.interval_s
                 self._heartbeat()
 
-    def _build(self, item: Result) -> dict:
-        """The record of one result, in its camera's frame order: carried-over frames take the
-        last detections, and the camera's tracker sees every published frame in turn."""
-        cam, det = item.cam, item.det
-        if item.carried:
-            det = cam.last_det
-        elif det is not None:
-            cam.last_det = det
-        track_ids = None
-        if cam.tracker is not None and det is not None and item.frame is not None:
-            try:
-                track_ids = list(cam.tracker.update(det, item.frame.image))
-            except Exception as exc:  # noqa: BLE001 - a tracker bug costs this camera its ids, not the service
-                log.warning("camera %s: tracker failed on frame %s: %s", cam.camera_id, item.frame.index, exc)
+    def _build(self, items: list[Result]) -> list[dict]:
+        """The records of results, in each camera's frame order: carried-over frames take the
+        last detections, and each camera's tracker sees every published frame in turn."""
+        dets = [_detections(item) for item in items]
+        track_ids = _track(items, dets)
+        return [self._record(item, det, ids) for item, det, ids in zip(items, dets, track_ids)]
+
+    def _record(self, item: Result, det, track_ids: list | None) -> dict:
+        """The record of one result, with its detections and track ids, and its events."""
+        cam = item.cam
         frame = item.frame
         events = None
         if cam.analytics is not None and track_ids is not None:
@@ -177,6 +173,46 @@ class Publisher:
         except RedisError as exc:
             self.count("publish_errors")
             log.warning("could not publish metrics to Redis: %s", exc)
+
+
+def _detections(item: Result):
+    """The detections of a result: carried-over frames take the camera's last ones (called in
+    the order of each camera's frames)."""
+    if item.carried:
+        return item.cam.last_det
+    if item.det is not None:
+        item.cam.last_det = item.det
+    return item.det
+
+
+def _track(items: list[Result], dets: list) -> list[list | None]:
+    """The track ids of each result (None: no tracker, nothing to track, or its tracker
+    failed). A camera's tracker sees each of its published frames in turn; the trackers of
+    different cameras go together (track_many: one numpy call for all of them per step), in
+    rounds of one frame per camera."""
+    from runtime.vision.tracking import track_many
+
+    out: list[list | None] = [None] * len(items)
+    todo = [
+        k
+        for k, item in enumerate(items)
+        if item.cam.tracker is not None and dets[k] is not None and item.frame is not None
+    ]
+    while todo:
+        now, later, cams = [], [], set()
+        for k in todo:  # each camera's first frame now, its next ones in a later round
+            (later if id(items[k].cam) in cams else now).append(k)
+            cams.add(id(items[k].cam))
+        results = track_many([(items[k].cam.tracker, dets[k], items[k].frame.image) for k in now])
+        for k, ids in zip(now, results):
+            if isinstance(ids, Exception):  # a tracker bug costs this camera its ids, not the service
+                log.warning(
+                    "camera %s: tracker failed on frame %s: %s", items[k].cam.camera_id, items[k].frame.index, ids
+                )
+            else:
+                out[k] = ids
+        todo = later
+    return out
 
 
 def _frame_time(item: Result) -> float:

@@ -189,9 +189,18 @@ def _area(points) -> float:
 
 def side_of(line: LineSpec, p: tuple[float, float]) -> float:
     """Signed distance of `p` from the line (fractions of the image): > 0 on the "in" side."""
+    return _side(_line_terms(line), p)
+
+
+def _line_terms(line: LineSpec) -> tuple[float, ...]:
+    """What side_of needs of a line, computed once per line rather than per box."""
     (ax, ay), (bx, by) = line.a, line.b
-    dx, dy = bx - ax, by - ay
-    return (dx * (p[1] - ay) - dy * (p[0] - ax)) / math.hypot(dx, dy)
+    return ax, ay, bx - ax, by - ay, math.hypot(bx - ax, by - ay)
+
+
+def _side(terms: tuple[float, ...], p: tuple[float, float]) -> float:
+    ax, ay, dx, dy, length = terms
+    return (dx * (p[1] - ay) - dy * (p[0] - ax)) / length
 
 
 def _along(line: LineSpec, p: tuple[float, float]) -> float:
@@ -201,22 +210,38 @@ def _along(line: LineSpec, p: tuple[float, float]) -> float:
     return ((p[0] - ax) * dx + (p[1] - ay) * dy) / (dx * dx + dy * dy)
 
 
+def _edges(points) -> list[tuple[float, ...]]:
+    """What inside and edge_distance need of each edge, computed once per zone rather than per box."""
+    out = []
+    for (x1, y1), (x2, y2) in zip(points, points[1:] + points[:1]):
+        dx, dy = x2 - x1, y2 - y1
+        out.append((x1, y1, x2, y2, dx, dy, dx * dx + dy * dy or 1.0))
+    return out
+
+
 def inside(points, p: tuple[float, float]) -> bool:
     """Even-odd ray casting."""
+    return _inside(_edges(points), p)
+
+
+def _inside(edges: list[tuple[float, ...]], p: tuple[float, float]) -> bool:
     x, y = p
     hit = False
-    for (x1, y1), (x2, y2) in zip(points, points[1:] + points[:1]):
+    for x1, y1, x2, y2, _, _, _ in edges:
         if (y1 > y) != (y2 > y) and x < x1 + (y - y1) * (x2 - x1) / (y2 - y1):
             hit = not hit
     return hit
 
 
 def edge_distance(points, p: tuple[float, float]) -> float:
+    return _edge_distance(_edges(points), p)
+
+
+def _edge_distance(edges: list[tuple[float, ...]], p: tuple[float, float]) -> float:
     best = math.inf
-    for a, b in zip(points, points[1:] + points[:1]):
-        dx, dy = b[0] - a[0], b[1] - a[1]
-        u = max(0.0, min(1.0, ((p[0] - a[0]) * dx + (p[1] - a[1]) * dy) / (dx * dx + dy * dy or 1.0)))
-        best = min(best, math.hypot(p[0] - a[0] - u * dx, p[1] - a[1] - u * dy))
+    for x1, y1, _, _, dx, dy, length2 in edges:
+        u = max(0.0, min(1.0, ((p[0] - x1) * dx + (p[1] - y1) * dy) / length2))
+        best = min(best, math.hypot(p[0] - x1 - u * dx, p[1] - y1 - u * dy))
     return best
 
 
@@ -228,12 +253,13 @@ class _Line:
         self.spec = spec
         self.sides: dict[int, tuple[int, tuple[float, float], float]] = {}  # track -> (side, point, distance)
         self.counts = {"in": 0, "out": 0}
+        self._terms = _line_terms(spec)
 
     def update(self, track_id: int, cls: str, p: tuple[float, float], t: float) -> dict | None:
         spec = self.spec
         if spec.classes and cls not in spec.classes:
             return None
-        s = side_of(spec, p)
+        s = _side(self._terms, p)  # side_of(spec, p)
         if abs(s) <= spec.margin:
             return None  # in the band: no decision either way (the hysteresis)
         side = 1 if s > 0 else -1
@@ -258,14 +284,15 @@ class _Zone:
         self.spec = spec
         self.entered: dict[int, float] = {}  # track -> when it entered
         self.entries = self.exits = 0
+        self._edges = _edges(spec.points)
 
     def update(self, track_id: int, cls: str, p: tuple[float, float], t: float) -> dict | None:
         spec = self.spec
         if spec.classes and cls not in spec.classes:
             return None
-        if edge_distance(spec.points, p) <= spec.margin:
+        if _edge_distance(self._edges, p) <= spec.margin:
             return None  # in the band along the edge: no decision
-        now_inside = inside(spec.points, p)
+        now_inside = _inside(self._edges, p)
         if now_inside and track_id not in self.entered:
             self.entered[track_id] = t
             self.entries += 1
@@ -293,6 +320,7 @@ class CameraAnalytics:
     ) -> None:
         self.lines = [_Line(s) for s in lines]
         self.zones = [_Zone(s) for s in zones]
+        self._shapes = (*self.lines, *self.zones)
         self.lost_s = lost_s
         self._seen: dict[int, tuple[float, str]] = {}  # track -> (last seen, class)
         self.counts = self._counts()
@@ -310,6 +338,8 @@ class CameraAnalytics:
         width, height = size
         events = []
         here = set()
+        if hasattr(boxes, "tolist"):  # an array: its rows as Python floats at once (the same values)
+            boxes = boxes.tolist()
         for box, cls, track_id in zip(boxes, classes, track_ids, strict=True):
             if track_id is None or track_id in here:
                 continue
@@ -317,7 +347,7 @@ class CameraAnalytics:
             x1, _, x2, y2 = (float(v) for v in box)
             p = ((x1 + x2) / 2 / width, y2 / height)  # bottom centre
             self._seen[track_id] = (t, cls)
-            for shape in (*self.lines, *self.zones):
+            for shape in self._shapes:
                 event = shape.update(track_id, cls, p, t)
                 if event is not None:
                     events.append({**event, "at": round(t, 6), "point": [round(p[0], 4), round(p[1], 4)]})
@@ -331,7 +361,8 @@ class CameraAnalytics:
                 event = zone.leave(track_id, cls, last, lost=True)
                 if event is not None:
                     events.append({**event, "at": round(last, 6)})
-        self.counts = self._counts()
+        if events:  # counts change only with an event
+            self.counts = self._counts()
         return events
 
     def _counts(self) -> dict:
