@@ -107,6 +107,14 @@ class _Fleet:
             for i in range(n)
         ]
 
+    def aof_rewrites(self) -> int:
+        """How many times Redis has rewritten its append-only file (a fork and a file's worth of
+        writes beside the fsyncs every job waits on)."""
+        import redis
+
+        with redis.Redis.from_url(self.redis.url) as client:
+            return int(client.info("persistence").get("aof_rewrites", 0))
+
     def close(self) -> None:
         self.jobs.close()
         self.worker.terminate()
@@ -129,7 +137,7 @@ def one_policy(policy: str, model: str | None, args, folder: Path) -> dict:
     rounds' (with chats / alone), each pair back to back."""
     fleet = _Fleet(policy, model, args, folder)
     n, k = 4, args.max_tokens
-    idle, flood, beside, backlog_ratios, alone_s, with_s = [], [], [], [], [], []
+    idle, flood, beside, backlog_ratios, alone_s, with_s, rewrites = [], [], [], [], [], [], []
     try:
         fleet.ttfts(fleet.chats("light", n, k))  # warm-up
         for _ in range(args.rounds):
@@ -149,6 +157,7 @@ def one_policy(policy: str, model: str | None, args, folder: Path) -> dict:
             fleet.ttfts(backlog)
             with_s.append(time.monotonic() - t0)
             backlog_ratios.append(with_s[-1] / alone_s[-1])
+            rewrites.append(fleet.aof_rewrites())
     finally:
         fleet.close()
     idle_m, flood_m, beside_m = _medians(idle), _medians(flood), _medians(beside)
@@ -174,6 +183,7 @@ def one_policy(policy: str, model: str | None, args, folder: Path) -> dict:
                 statistics.median(t["ttft_s"] for t in idle[i : i + n]) * 1000 for i in range(0, len(idle), n)
             ],
             "backlog_time": backlog_ratios,
+            "aof_rewrites": rewrites,  # Redis's count after each round
         },
         "parts_ms": {
             name: {"claim": m["claim_s"] * 1000, "engine": m["engine_s"] * 1000}
@@ -233,7 +243,8 @@ def run(args) -> int:
         fmt = lambda xs: ", ".join(f"{x:.0f}" for x in xs)  # noqa: E731
         print(
             f"{r['policy']:>7} idle {fmt(pr['idle_ttft_ms'])}   flood {fmt(pr['flood_ttft_ms'])}   "
-            f"batch {fmt(pr['batch_ttft_ms'])}   backlog {', '.join(f'{x:.2f}' for x in pr['backlog_time'])}"
+            f"batch {fmt(pr['batch_ttft_ms'])}   backlog {', '.join(f'{x:.2f}' for x in pr['backlog_time'])}   "
+            f"Redis AOF rewrites so far {fmt(pr['aof_rewrites'])}"
         )
     print("TTFT p50 in two parts, ms: submit -> claim (Redis, the worker's pop and threads) + claim -> first token")
     for r in rows:
