@@ -143,3 +143,44 @@ def test_without_a_clips_dir_every_clip_is_a_404_naming_the_option(tmp_path):
     finally:
         server.close()
         service.close()
+
+
+def test_a_replay_left_mid_frame_releases_its_capture_only_after_the_read():
+    """A viewer who leaves cancels the replay while a worker thread still reads a frame
+    (workers/cameras_views.py _Clip): releasing the capture under that read freed FFmpeg's
+    context beneath it, a segfault of the server. The release waits for the read; a read after
+    it reads nothing."""
+    import threading
+
+    from workers.cameras_views import _Clip
+
+    reading, finish = threading.Event(), threading.Event()
+    order = []
+
+    class Capture:  # a VideoCapture whose read blocks until told to finish
+        def read(self):
+            order.append("read")
+            reading.set()
+            assert finish.wait(30)
+            order.append("read done")
+            return False, None
+
+        def release(self):
+            order.append("released")
+
+    clip = _Clip(Capture())
+    got = []
+    reader = threading.Thread(target=lambda: got.append(clip.next_jpeg()))
+    reader.start()
+    assert reading.wait(30)
+    closer = threading.Thread(target=clip.close)
+    closer.start()
+    try:
+        closer.join(1.0)
+        assert closer.is_alive(), "the release did not wait for the read in flight"
+    finally:
+        finish.set()
+    reader.join(30)
+    closer.join(30)
+    assert order == ["read", "read done", "released"] and got == [None]
+    assert clip.next_jpeg() is None and order.count("read") == 1  # closed: no read at all

@@ -158,31 +158,54 @@ async def replay(path: str, stop: threading.Event, viewers: Viewers):
     frame, only while someone watches, within the views' bound."""
     import cv2
 
-    cap = await asyncio.to_thread(cv2.VideoCapture, path)
+    clip = _Clip(await asyncio.to_thread(cv2.VideoCapture, path))
     try:
-        fps = cap.get(cv2.CAP_PROP_FPS)
+        fps = clip.cap.get(cv2.CAP_PROP_FPS)
         period = 1.0 / min(MAX_REPLAY_FPS, fps if fps and fps == fps and fps > 0 else 10.0)
         due = time.monotonic()
         while not stop.is_set():
-            jpeg = await asyncio.to_thread(_next_jpeg, cap)
+            jpeg = await asyncio.to_thread(clip.next_jpeg)
             if jpeg is None:
                 return  # the clip's end: the page keeps showing its last frame
             yield _part(jpeg)
             due += period
             await asyncio.sleep(max(0.0, due - time.monotonic()))  # the clip's own pace (its subject is time)
     finally:
-        cap.release()
+        clip.close()
         viewers.release()
 
 
-def _next_jpeg(cap) -> bytes | None:
-    import cv2
+class _Clip:
+    """A clip's VideoCapture, read on worker threads and released from the event loop.
 
-    ok, image = cap.read()
-    if not ok:
-        return None
-    ok, buf = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, 80])
-    return buf.tobytes() if ok else None
+    Why the lock: a viewer who leaves cancels the replay while `asyncio.to_thread` is still
+    reading a frame (the thread is not cancelled with its awaiting task), and releasing the
+    capture under that read freed FFmpeg's context beneath it: a segfault of the whole server,
+    seen once under a busy machine's test run. The release now waits for the read in flight (a
+    frame's decode and encode, milliseconds), and a read that comes after it reads nothing."""
+
+    def __init__(self, cap) -> None:
+        self.cap = cap
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def next_jpeg(self) -> bytes | None:
+        import cv2
+
+        with self._lock:
+            if self._closed:
+                return None
+            ok, image = self.cap.read()
+        if not ok:
+            return None
+        ok, buf = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, 80])
+        return buf.tobytes() if ok else None
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.cap.release()
 
 
 def _part(jpeg: bytes) -> bytes:
